@@ -1,0 +1,71 @@
+"""KHAConfig: which knocking-heads transforms to insert, per role."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from .errors import KHAConfigError
+
+__all__ = ["KHAConfig", "CONFIG_VERSION"]
+
+CONFIG_VERSION = 1
+
+_ALLOWED = {
+    "q": (None, "linear"),
+    "k": (None, "linear"),
+    "v": (None, "linear", "mlp"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KHAConfig:
+    """Which KHA transform each attention role gets (KHA_SPEC.md).
+
+    ``q`` and ``k``: ``None`` or ``"linear"``; ``v``: ``None``, ``"linear"`` or ``"mlp"``.
+    The default is the paper's best configuration: MLP-value KHA, no query/key transform.
+
+    Example::
+
+        cfg = KHAConfig(q="linear", k="linear", v="linear")   # all foldable
+        cfg = KHAConfig()                                       # v="mlp"
+    """
+
+    q: Optional[str] = None
+    k: Optional[str] = None
+    v: Optional[str] = "mlp"
+
+    def __post_init__(self) -> None:
+        for role, allowed in _ALLOWED.items():
+            value = getattr(self, role)
+            if value not in allowed:
+                shown = ", ".join(repr(a) for a in allowed)
+                raise KHAConfigError(
+                    f"KHAConfig.{role}={value!r} is not allowed; use one of {shown}."
+                )
+        if self.q is None and self.k is None and self.v is None:
+            raise KHAConfigError(
+                "KHAConfig(q=None, k=None, v=None) inserts nothing; set at least one of "
+                "q='linear', k='linear', v='linear' or v='mlp'."
+            )
+
+    def roles(self) -> dict[str, str]:
+        """The roles that get a transform, mapped to its kind."""
+        return {r: getattr(self, r) for r in ("q", "k", "v") if getattr(self, r) is not None}
+
+    @property
+    def foldable(self) -> bool:
+        """True when every transform is linear, so fold() can remove all of them."""
+        return self.v != "mlp"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": CONFIG_VERSION, "q": self.q, "k": self.k, "v": self.v}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KHAConfig":
+        version = data.get("version")
+        if version != CONFIG_VERSION:
+            raise KHAConfigError(
+                f"KHA config version {version!r} is not supported (this kha_compile reads "
+                f"version {CONFIG_VERSION}); re-save the checkpoint with a matching kha_compile."
+            )
+        return cls(q=data.get("q"), k=data.get("k"), v=data.get("v"))
