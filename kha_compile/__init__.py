@@ -1,4 +1,11 @@
-"""kha_compile: knocking-heads attention (arXiv 2510.23052) as a compiler pass for PyTorch models."""
+"""kha_compile: knocking-heads attention (arXiv 2510.23052) as a compiler pass for PyTorch models.
+
+Example::
+
+    import kha_compile as kc
+    kc.apply(model, kc.KHAConfig(v="mlp"))
+    print(kc.inspect(model))
+"""
 from __future__ import annotations
 
 import logging
@@ -6,9 +13,13 @@ import logging
 from .config import KHAConfig
 from .errors import KHAError
 from . import ops  # registers torch.ops.kha.*
+from .api import apply, inspect, load_pretrained, remove, save_pretrained
+from .passes.fold import fold
+from .report import AttentionSite, Report
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["KHAConfig", "KHAError", "__version__"]
+__all__ = ["KHAConfig", "KHAError", "apply", "inspect", "fold", "remove", "save_pretrained", "load_pretrained",
+           "AttentionSite", "Report", "__version__"]

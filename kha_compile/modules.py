@@ -1,0 +1,390 @@
+"""The modules KHA inserts: the shared transforms and the projection that carries them.
+
+A projection keeps its own object, parameters and ``state_dict`` keys. :func:`attach` turns it
+into a KHA projection by switching its class to a subclass defined here (``KHALinear`` for
+``nn.Linear``, ``KHAConv1D`` for transformers' ``Conv1D``, ...) and adding a ``kha`` child that
+holds one transform per role. :func:`detach` switches the class back, so the original module
+object, class and keys return (that is how :func:`kha_compile.fold` restores a vanilla model).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .errors import KHAError
+
+__all__ = [
+    "KHALinearTransform", "KHAMLPValue", "HeadSlot", "KHAProjection", "attach", "detach",
+    "is_kha_projection", "kha_class_for", "make_transform",
+]
+
+
+class KHALinearTransform(nn.Module):
+    """KHA-Linear: ``x @ T`` over the head dimension, T shared by every head of its role.
+
+    Identity at init, so the model's outputs do not change.
+
+    Example::
+
+        t = KHALinearTransform(64)
+        y = t(x)            # x: (..., 64)
+    """
+
+    kind = "linear"
+
+    def __init__(self, head_dim: int, *, dtype=None, device=None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.weight = nn.Parameter(torch.empty(head_dim, head_dim, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return
+        with torch.no_grad():
+            self.weight.copy_(torch.eye(self.head_dim, dtype=self.weight.dtype, device=self.weight.device))
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
+        return x @ self.weight
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}"
+
+
+class KHAMLPValue(nn.Module):
+    """KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one fused op.
+
+    W_up = W_down = I and W_gate = 0 at init, so ``2 * sigmoid(0) = 1`` and the output is v exactly.
+
+    Example::
+
+        t = KHAMLPValue(64)
+        y = t(v)            # v: (..., 64), runs torch.ops.kha.mlp_value
+    """
+
+    kind = "mlp"
+
+    def __init__(self, head_dim: int, *, dtype=None, device=None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        kw = dict(dtype=dtype, device=device)
+        self.up = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
+        self.gate = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
+        self.down = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.up.is_meta:
+            return
+        with torch.no_grad():
+            eye = torch.eye(self.head_dim, dtype=self.up.dtype, device=self.up.device)
+            self.up.copy_(eye)
+            self.gate.zero_()
+            self.down.copy_(eye)
+
+    def forward(self, v: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
+        return torch.ops.kha.mlp_value(v, self.up, self.gate, self.down)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}"
+
+
+_TRANSFORMS = {"linear": KHALinearTransform, "mlp": KHAMLPValue}
+
+
+def make_transform(kind: str, head_dim: int, *, dtype=None, device=None) -> nn.Module:
+    """Build the transform of ``kind`` ("linear" | "mlp") in the given dtype and device."""
+    try:
+        cls = _TRANSFORMS[kind]
+    except KeyError:
+        raise KHAError(f"unknown KHA transform kind {kind!r}; use 'linear' or 'mlp'.") from None
+    return cls(head_dim, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSlot:
+    """Where one role's heads sit in a projection's output features.
+
+    Feature of head ``h``, dim ``j`` = ``offset + h * head_stride + j``. Separate projections
+    (``head_stride == head_dim``), fused [Q|K|V] blocks and interleaved [H, 3, Dh] layouts are
+    all of this form.
+    """
+
+    role: str  # "q" | "k" | "v"
+    offset: int
+    num_heads: int
+    head_dim: int
+    head_stride: int
+
+    @property
+    def span(self) -> int:
+        return (self.num_heads - 1) * self.head_stride + self.head_dim
+
+    def index(self) -> Tensor:  # (H, Dh) feature indices
+        h = torch.arange(self.num_heads).unsqueeze(1) * self.head_stride
+        return self.offset + h + torch.arange(self.head_dim)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
+    """Choose how to cut the heads out of the projection output: 'blocks' or 'interleaved'."""
+    if all(s.head_stride == s.head_dim for s in slots):
+        spans = sorted((s.offset, s.offset + s.num_heads * s.head_dim) for s in slots)
+        if all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= out_features:
+            return "blocks", 0
+    strides = {s.head_stride for s in slots}
+    heads = {s.num_heads for s in slots}
+    if len(strides) == 1 and len(heads) == 1:
+        stride = strides.pop()
+        if stride * heads.pop() == out_features and all(s.offset + s.head_dim <= stride for s in slots):
+            return "interleaved", stride
+    raise KHAError(
+        f"head layout {[s.to_dict() for s in slots]} over {out_features} features is neither "
+        "separate/fused blocks nor an interleaved [H, roles, Dh] layout; kha_compile cannot "
+        "insert transforms into this projection."
+    )
+
+
+def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, Optional[tuple[int, nn.Module]]]]) -> Tensor:
+    """Rebuild the last axis of ``y`` (…, width) from pieces (start, length, (head_dim, transform) | None)."""
+    out = []
+    for start, length, tf in pieces:
+        seg = y.narrow(-1, start, length)
+        if tf is not None:
+            head_dim, module = tf
+            lead = seg.shape[:-1]
+            seg = module(seg.reshape(*lead, length // head_dim, head_dim)).reshape(*lead, length)
+        out.append(seg)
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+
+
+def _pieces(bounds: list[tuple[int, int, Optional[tuple[int, nn.Module]]]], width: int):
+    """Fill the gaps between transformed segments with untouched ones, in order."""
+    pieces, pos = [], 0
+    for start, length, tf in sorted(bounds, key=lambda b: b[0]):
+        if start > pos:
+            pieces.append((pos, start - pos, None))
+        pieces.append((start, length, tf))
+        pos = start + length
+    if pos < width:
+        pieces.append((pos, width - pos, None))
+    return pieces
+
+
+class KHAProjection(nn.Module):
+    """Mixin for a projection module that applies shared KHA transforms to its head slices.
+
+    Not instantiated directly: :func:`attach` gives an existing projection a subclass of this
+    mixin and its own class, so it keeps its parameters and ``state_dict`` keys.
+    """
+
+    kha: nn.ModuleDict
+    _kha_slots: tuple[HeadSlot, ...]
+    _kha_out_features: int
+
+    def forward(self, *args, **kwargs):
+        y = super().forward(*args, **kwargs)
+        return self.kha_transform(y)
+
+    def kha_transform(self, y: Tensor) -> Tensor:
+        """Apply each role's transform to its head slices of the projection output ``y`` (..., out)."""
+        slots = [s for s in self._kha_slots if s.role in self.kha]
+        if not slots:
+            return y
+        width = y.shape[-1]
+        mode, stride = _plan(tuple(slots), width)
+        if mode == "blocks":  # heads of a role are contiguous: (…, H*Dh) -> (…, H, Dh)
+            bounds = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, self.kha[s.role])) for s in slots]
+            return _apply_segments(y, width, _pieces(bounds, width))
+        # interleaved: (…, H*S) -> (…, H, S); each role is a Dh-wide column block of S
+        lead = y.shape[:-1]
+        heads = width // stride
+        y3 = y.reshape(*lead, heads, stride)  # (…, H, S)
+        bounds = [(s.offset, s.head_dim, (s.head_dim, self.kha[s.role])) for s in slots]
+        return _apply_segments(y3, stride, _pieces(bounds, stride)).reshape(*lead, width)
+
+    def kha_extra(self) -> str:
+        return ", ".join(f"{s.role}:{type(self.kha[s.role]).__name__}[{s.num_heads}x{s.head_dim}]"
+                         for s in self._kha_slots if s.role in self.kha)
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def kha_class_for(base_cls: type) -> type:
+    """The KHA subclass of a projection class (created once, named ``KHA<Base>``)."""
+    if issubclass(base_cls, KHAProjection):
+        return base_cls
+    cls = _CLASS_CACHE.get(base_cls)
+    if cls is None:
+        name = f"KHA{base_cls.__name__}"
+        cls = type(name, (KHAProjection, base_cls), {"__module__": __name__, "__qualname__": name,
+                                                     "_kha_base_class": base_cls})
+        _CLASS_CACHE[base_cls] = cls
+        globals().setdefault(name, cls)
+    return cls
+
+
+def is_kha_projection(module: nn.Module) -> bool:
+    return isinstance(module, KHAProjection)
+
+
+def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str], out_features: int) -> nn.Module:
+    """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device."""
+    ref = next(iter(module.parameters(recurse=False)), None)
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
+    device = ref.device if ref is not None else None
+    transforms = nn.ModuleDict()
+    for s in slots:
+        if s.role in kinds and s.role not in transforms:
+            transforms[s.role] = make_transform(kinds[s.role], s.head_dim, dtype=dtype, device=device)
+    _plan(tuple(s for s in slots if s.role in transforms), out_features)  # refuse odd layouts up front
+    module.__class__ = kha_class_for(type(module))
+    module.kha = transforms
+    module._kha_slots = tuple(slots)
+    module._kha_out_features = out_features
+    return module
+
+
+def detach(module: nn.Module) -> nn.Module:
+    """Undo :func:`attach`: the module gets back its original class; its ``kha`` child is removed."""
+    if not isinstance(module, KHAProjection):
+        return module
+    del module.kha
+    for attr in ("_kha_slots", "_kha_out_features"):
+        module.__dict__.pop(attr, None)
+    module.__class__ = type(module)._kha_base_class
+    return module
+
+
+class KHAMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` with KHA transforms on its per-head q, k, v.
+
+    The projections of ``nn.MultiheadAttention`` are parameters used functionally
+    (``in_proj_weight``), not modules, so the whole module gets this class (same object,
+    parameters and keys); :func:`detach_mha` gives it its class back. The forward follows
+    ``F.multi_head_attention_forward`` step by step, with the transforms right after the
+    in-projection. A no-op forward hook keeps ``nn.TransformerEncoderLayer``'s fused inference
+    fast path (which would skip the transforms) switched off.
+    """
+
+    kha: nn.ModuleDict
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        F = nn.functional
+        is_batched = query.dim() == 3
+        # keep `query is key is value` as torch does: it decides between one packed GEMM and three
+        if self.batch_first and is_batched:
+            query, key, value = _same_map(lambda x: x.transpose(1, 0), query, key, value)
+        if not is_batched:
+            query, key, value = _same_map(lambda x: x.unsqueeze(1), query, key, value)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        tgt_len, bsz, embed_dim = query.shape  # (L, B, E)
+        src_len = key.shape[0]
+        H, Dh = self.num_heads, self.head_dim
+        key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
+                                             other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
+                                             target_type=query.dtype)
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
+        if is_causal and key_padding_mask is None and not need_weights:
+            attn_mask = None
+        else:
+            attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                          target_type=query.dtype, check_other=False)
+            if key_padding_mask is not None:
+                is_causal = False
+        if self._qkv_same_embed_dim:
+            q, k, v = F._in_projection_packed(query, key, value, self.in_proj_weight, self.in_proj_bias)
+        else:
+            b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+            q, k, v = F._in_projection(query, key, value, self.q_proj_weight, self.k_proj_weight,
+                                       self.v_proj_weight, *b)
+        # KHA: shared transforms over each head vector, right after the in-projection
+        q, k, v = (self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha else x
+                   for r, x in zip("qkv", (q, k, v)))  # (L, B, H, Dh) -> (L, B, E)
+        if attn_mask is not None and attn_mask.dim() == 2:
+            attn_mask = attn_mask.unsqueeze(0)
+        q = q.view(tgt_len, bsz * H, Dh).transpose(0, 1)  # (B*H, L, Dh)
+        k = k.view(k.shape[0], bsz * H, Dh).transpose(0, 1)
+        v = v.view(v.shape[0], bsz * H, Dh).transpose(0, 1)
+        if key_padding_mask is not None:
+            key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, H, -1, -1)
+                                .reshape(bsz * H, 1, src_len))
+            attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            q_scaled = q * math.sqrt(1.0 / float(Dh))
+            if attn_mask is not None:
+                weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+            else:
+                weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+            weights = F.softmax(weights, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+            out = torch.bmm(weights, v)
+            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            out = F.linear(out, self.out_proj.weight, self.out_proj.bias).view(tgt_len, bsz, -1)
+            weights = weights.view(bsz, H, tgt_len, src_len)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not is_batched:
+                out, weights = out.squeeze(1), weights.squeeze(0)
+        else:
+            if attn_mask is not None:
+                if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+                    attn_mask = attn_mask.unsqueeze(0)
+                else:
+                    attn_mask = attn_mask.view(bsz, H, -1, src_len)
+            q = q.view(bsz, H, tgt_len, Dh)  # (B, H, L, Dh)
+            k = k.view(bsz, H, src_len, Dh)
+            v = v.view(bsz, H, src_len, Dh)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+            out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+            out = F.linear(out, self.out_proj.weight, self.out_proj.bias).view(tgt_len, bsz, -1)
+            if not is_batched:
+                out = out.squeeze(1)
+            weights = None
+        if self.batch_first and is_batched:
+            out = out.transpose(1, 0)
+        return out, weights
+
+
+def _same_map(fn, query, key, value):
+    """Apply ``fn`` to q, k, v, keeping identical inputs identical objects."""
+    out = {}
+    return tuple(out.setdefault(id(x), fn(x)) for x in (query, key, value))
+
+
+def _no_fast_path_hook(module, args, output):
+    return None
+
+
+def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.MultiheadAttention:
+    """Give an ``nn.MultiheadAttention`` its KHA transforms in place."""
+    if module.bias_k is not None or module.add_zero_attn:
+        raise KHAError("nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile.")
+    ref = module.out_proj.weight
+    transforms = nn.ModuleDict({r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device)
+                                for r, k in kinds.items()})
+    module.__class__ = KHAMultiheadAttention
+    module.kha = transforms
+    module._kha_hook = module.register_forward_hook(_no_fast_path_hook)
+    return module
+
+
+def detach_mha(module: nn.Module) -> nn.Module:
+    if isinstance(module, KHAMultiheadAttention):
+        module._kha_hook.remove()
+        del module._kha_hook
+        del module.kha
+        module.__class__ = nn.MultiheadAttention
+    return module

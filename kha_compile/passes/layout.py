@@ -1,0 +1,187 @@
+"""The head map: which output features of a projection form head h, dim j.
+
+An index tensor ``arange(out_features)``, broadcast to the projection output's shape, is pushed
+through the pure layout ops (view, reshape, transpose, permute, split, getitem, select, slice,
+unflatten, expand, index with constant indices, ...) between the projection and the attention
+op. Where it reaches a tensor whose last axis is the head dimension, the varying axis is the
+head axis, and the values are the feature numbers. Fused [Q|K|V], interleaved [H, 3, Dh] and
+merged (B*H) layouts come out of the same rule, with no per-model tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.fx import Node
+
+__all__ = ["HeadMap", "read_head_map", "push_layout", "LAYOUT_OPS", "IDENTITY_OPS", "shape_of", "slot_from_map"]
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMap:
+    num_heads: int
+    head_dim: int
+    index: Tensor  # (H, Dh) int64 feature numbers
+
+
+def shape_of(node: Any) -> Optional[tuple[int, ...]]:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if isinstance(val, torch.Tensor):
+        try:
+            return tuple(int(s) for s in val.shape)
+        except (TypeError, ValueError):  # symbolic sizes
+            return None
+    return None
+
+
+def _to_shape(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
+    shape = shape_of(node)
+    if shape is None:
+        raise _NotLayout("no static shape")
+    return idx.reshape(shape)
+
+
+def _call(fn: Callable) -> Callable:
+    def run(idx: Tensor, node: Node, *args, **kwargs):
+        return fn(idx, *args, **kwargs)
+    return run
+
+
+def _identity(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
+    return idx
+
+
+def _expand(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
+    shape = shape_of(node)
+    if shape is None:
+        raise _NotLayout("no static shape")
+    return idx.expand(shape)
+
+
+class _NotLayout(Exception):
+    pass
+
+
+# Ops whose output features are a rearrangement of the input's (target -> how to apply to an index tensor).
+LAYOUT_OPS: dict[Any, Callable] = {}
+for _op in ("view.default", "reshape.default", "_unsafe_view.default", "view_copy.default",
+            "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default",
+            "unflatten.int", "flatten.using_ints"):
+    _pkt, _ovl = _op.split(".")
+    LAYOUT_OPS[getattr(getattr(aten, _pkt), _ovl)] = _to_shape
+LAYOUT_OPS.update({
+    aten.transpose.int: _call(torch.transpose),
+    aten.permute.default: _call(torch.permute),
+    aten.t.default: _call(torch.t),
+    aten.numpy_T.default: _call(lambda t: t.permute(*reversed(range(t.dim())))),
+    aten.slice.Tensor: _call(lambda t, dim=0, start=None, end=None, step=1: aten.slice.Tensor(t, dim, start, end, step)),
+    aten.select.int: _call(torch.select),
+    aten.narrow.default: _call(torch.narrow),
+    aten.expand.default: _expand,
+    aten.split.Tensor: _call(lambda t, size, dim=0: torch.split(t, size, dim)),
+    aten.split_with_sizes.default: _call(lambda t, sizes, dim=0: torch.split(t, sizes, dim)),
+    aten.chunk.default: _call(lambda t, chunks, dim=0: torch.chunk(t, chunks, dim)),
+    aten.unbind.int: _call(lambda t, dim=0: torch.unbind(t, dim)),
+    aten.movedim.int: _call(torch.movedim),
+    aten.repeat.default: _call(lambda t, sizes: t.repeat(sizes)),
+    aten.repeat_interleave.self_int: _call(lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)),
+    operator.getitem: _call(operator.getitem),
+})
+# Ops that keep every feature where it is (casts, copies, dropout, identity-like).
+IDENTITY_OPS = {
+    aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default, aten.lift_fresh_copy.default,
+    aten.dropout.default, aten.type_as.default,
+}
+for _op in IDENTITY_OPS:
+    LAYOUT_OPS[_op] = _identity
+
+
+def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Any:
+    """Apply the layout op ``node`` to the index tensor standing in for its input ``data_input``.
+
+    Raises ``_NotLayout`` when ``node`` is not a pure layout op of that input.
+    """
+    fn = LAYOUT_OPS.get(node.target)
+    if node.target is aten.index.Tensor:
+        return _index(idx, node, data_input, constants)
+    if fn is None:
+        raise _NotLayout(f"{node.target} is not a layout op")
+    if not node.args or node.args[0] is not data_input:
+        raise _NotLayout("data input is not the first argument")
+    rest = [a for a in node.args[1:]]
+    if any(isinstance(a, Node) for a in rest):
+        raise _NotLayout("non-constant layout argument")
+    return fn(idx, node, *rest, **dict(node.kwargs))
+
+
+def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Tensor:
+    if node.args[0] is not data_input:
+        raise _NotLayout("data input is not indexed")
+    indices = []
+    for ind in node.args[1]:
+        if ind is None:
+            indices.append(None)
+            continue
+        while isinstance(ind, Node) and ind.op == "call_function" and ind.target in IDENTITY_OPS:
+            ind = ind.args[0]  # lift_fresh_copy(constant), casts
+        val = constants.get(ind.name) if isinstance(ind, Node) else None
+        if val is None or val.device.type == "meta":
+            raise _NotLayout("index with a computed (non-constant) tensor")
+        indices.append(val.to("cpu"))
+    return aten.index.Tensor(idx, indices)
+
+
+def _varies(idx: Tensor, axis: int) -> bool:
+    return bool((idx != idx.narrow(axis, 0, 1)).any())
+
+
+def read_head_map(idx: Tensor) -> Optional[HeadMap]:
+    """Read (H, Dh) -> feature off an index tensor whose last axis is the head dimension.
+
+    The index must vary along the last axis and along at most one other axis (the head axis,
+    possibly merged with batch as B*H); every other axis is a broadcast copy.
+    """
+    if not isinstance(idx, Tensor) or idx.dim() < 1 or idx.shape[-1] < 1:
+        return None
+    dh = idx.shape[-1]
+    if dh > 1 and not _varies(idx, -1):
+        return None
+    varying = [a for a in range(idx.dim() - 1) if idx.shape[a] > 1 and _varies(idx, a)]
+    if len(varying) > 1:
+        return None
+    if not varying:
+        rows = idx.reshape(-1, dh)[:1]
+    else:
+        axis = varying[0]
+        other = [0] * (idx.dim() - 1)
+        sel = idx
+        for a in reversed(range(idx.dim() - 1)):
+            if a != axis:
+                sel = sel.select(a, other[a])
+        rows = sel  # (n, Dh)
+        n = rows.shape[0]
+        period = next((p for p in range(1, n + 1) if n % p == 0 and torch.equal(rows, rows[:p].repeat(n // p, 1))), n)
+        rows = rows[:period]
+    if len(set(rows.flatten().tolist())) != rows.numel():
+        return None  # a feature appears twice: not a head split
+    return HeadMap(rows.shape[0], dh, rows.clone())
+
+
+def slot_from_map(head_map: HeadMap) -> Optional[tuple[int, int]]:
+    """(offset, head_stride) when feature(h, j) = offset + h*stride + j; None for other maps."""
+    idx = head_map.index
+    offset = int(idx[0, 0])
+    j = torch.arange(head_map.head_dim)
+    if not torch.equal(idx[0], offset + j):
+        return None
+    stride = int(idx[1, 0] - idx[0, 0]) if head_map.num_heads > 1 else head_map.head_dim
+    h = torch.arange(head_map.num_heads).unsqueeze(1)
+    if not torch.equal(idx, offset + h * stride + j):
+        return None
+    return offset, stride

@@ -1,0 +1,461 @@
+"""Find every per-head attention in an exported graph and the projections that feed q, k and v.
+
+Rules, each with a reason when it declines:
+
+* ``sdpa`` anchors on ``aten.scaled_dot_product_attention`` (and its fused variants);
+* ``manual_softmax`` anchors on ``softmax(q @ k^T ...) @ v`` (matmul, bmm or baddbmm scores;
+  masks, ALiBi biases, scaling and logit soft-capping between the scores and the softmax);
+* for each of q, k, v the walk goes back to the projection that produced it (a linear, addmm or
+  matmul against a parameter), through layout ops and through whatever the insertion point must
+  precede (rotary embeddings, QK-norm, scaling, repeat_kv); :mod:`.layout` reads the head map.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import deque
+from typing import Any, Optional
+
+import torch
+from torch.fx import Node
+
+from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map, shape_of
+
+__all__ = ["Projection", "RoleMatch", "RawSite", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+SDPA_OPS = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+_SCORE_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
+_PROJ_OPS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default}
+_NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
+             aten.native_layer_norm.default, aten.var_mean.correction}
+_TRIG_OPS = {aten.cos.default, aten.sin.default}
+_COPY_OPS = {aten.copy_.default, aten.copy.default}
+_ALLOC_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.empty_like.default,
+              aten.zeros_like.default, aten.ones_like.default, aten.new_full.default, aten.full_like.default}
+_DEBUG = os.environ.get("KHA_MATCH_DEBUG")  # a node name: explain every decision that touches it
+
+
+@dataclasses.dataclass
+class Projection:
+    """A projection node and the parameter whose output axis its features index."""
+
+    node: Node
+    param: str  # qualified name of the weight (traced paths)
+    module_path: str  # the module owning the weight
+    is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
+    feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
+    input_node: Node
+
+
+@dataclasses.dataclass
+class RoleMatch:
+    role: str
+    projection: Projection
+    head_map: HeadMap  # in the projection's output feature space
+    shared_piece: bool  # the head vector also takes features shared by all heads (MLA decoupled RoPE)
+    rope: bool
+    qk_norm: bool
+
+
+@dataclasses.dataclass
+class RawSite:
+    name: str  # traced module path of the attention
+    anchor: str  # "sdpa" | "manual_softmax"
+    node: Node
+    roles: dict[str, RoleMatch]
+    reason: str = ""  # why it was skipped, when roles is incomplete
+    mla: bool = False
+    cross: bool = False
+
+
+def _order(graph: torch.fx.Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _module_path(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def _tensor_inputs(node: Node) -> list[Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor) or n.op == "call_function"]
+
+
+class _Graph:
+    """Lookups over one exported program that every rule shares."""
+
+    def __init__(self, exported) -> None:
+        self.exported = exported
+        self.graph = exported.graph
+        self.order = _order(self.graph)
+        sig = exported.graph_signature
+        self.params: dict[str, str] = dict(sig.inputs_to_parameters)
+        self.buffers: dict[str, str] = dict(sig.inputs_to_buffers)
+        consts = {}
+        for name, target in getattr(sig, "inputs_to_lifted_tensor_constants", {}).items():
+            value = exported.constants.get(target)
+            if isinstance(value, torch.Tensor):
+                consts[name] = value
+        self.constants = consts
+        # In-place writes (``buf = x.new_empty(...); buf[..., :n] = piece``): the data of ``buf``
+        # comes from ``piece``; ops like new_empty read only the metadata of their input.
+        self.writes: dict[Node, list[Node]] = {}
+        self.written_by: dict[Node, list[Node]] = {}
+        for n in self.graph.nodes:
+            if n.op == "call_function" and n.target in _COPY_OPS and isinstance(n.args[0], Node):
+                base = n.args[0]
+                while base.op == "call_function" and base.target in LAYOUT_OPS and base.args and isinstance(base.args[0], Node):
+                    base = base.args[0]
+                src = n.args[1]
+                if isinstance(src, Node):
+                    self.writes.setdefault(base, []).append(src)
+                    self.written_by.setdefault(src, []).append(base)
+
+    def inputs(self, n: Node) -> list[Node]:
+        own = [] if n.op == "call_function" and n.target in _ALLOC_OPS else list(n.all_input_nodes)
+        return own + self.writes.get(n, [])
+
+    def users(self, n: Node) -> list[Node]:
+        return [u for u in n.users if not (u.op == "call_function" and u.target in _ALLOC_OPS)] + self.written_by.get(n, [])
+
+    # -- projections ---------------------------------------------------------------------
+    def param_source(self, node: Node, out_axis: int) -> Optional[tuple[str, torch.Tensor]]:
+        """(param name, feature map) when ``node`` is a parameter seen through layout ops."""
+        chain = []
+        cur = node
+        while cur.op == "call_function":
+            if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+                return None
+            chain.append(cur)
+            cur = cur.args[0]
+        if cur.op != "placeholder" or cur.name not in self.params:
+            return None
+        name = self.params[cur.name]
+        if ".kha." in f".{name}":
+            return None  # KHA's own transforms are not projections
+        shape = shape_of(cur)
+        if shape is None or len(shape) != 2:
+            return None
+        rows = torch.arange(shape[0]).unsqueeze(1).expand(shape)
+        cols = torch.arange(shape[1]).unsqueeze(0).expand(shape)
+        try:
+            for op in reversed(chain):
+                src = op.args[0]
+                rows = push_layout(rows, op, src, self.constants)
+                cols = push_layout(cols, op, src, self.constants)
+        except (_NotLayout, RuntimeError, IndexError, TypeError):
+            return None
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+            return None
+        # output feature f is row f (linear) or column f (addmm/mm) of the derived weight
+        r = rows if out_axis == 0 else rows.t()
+        c = cols if out_axis == 0 else cols.t()
+        if bool((r == r[:, :1]).all()):
+            return name, r[:, 0].clone()  # features index the parameter's rows
+        if bool((c == c[:, :1]).all()):
+            return name, c[:, 0].clone()  # features index the parameter's columns
+        return None
+
+    def as_projection(self, node: Node) -> Optional[Projection]:
+        if node.op != "call_function" or node.target not in _PROJ_OPS:
+            return None
+        if node.target is aten.linear.default:
+            x, w, out_axis = node.args[0], node.args[1], 0
+        elif node.target is aten.addmm.default:
+            x, w, out_axis = node.args[1], node.args[2], 1
+        else:
+            x, w, out_axis = node.args[0], node.args[1], 1
+        if not isinstance(w, Node) or not isinstance(x, Node):
+            return None
+        src = self.param_source(w, out_axis)
+        if src is None:
+            return None
+        name, fmap = src
+        module_path = name.rpartition(".")[0]
+        return Projection(node, name, module_path, _module_path(node) == module_path, fmap, x)
+
+    # -- walks ---------------------------------------------------------------------------
+    def find_projections(self, start: Node, limit: int = 400) -> tuple[list[Projection], str]:
+        """Projections reached walking back from ``start`` (not walking past a projection)."""
+        found: list[Projection] = []
+        seen = {start}
+        queue = deque([start])
+        steps = 0
+        while queue:
+            node = queue.popleft()
+            steps += 1
+            if steps > limit:
+                return found, f"gave up after {limit} nodes walking back from {start.name}"
+            proj = self.as_projection(node)
+            if proj is not None:
+                found.append(proj)
+                continue
+            if node.op != "call_function" or node.target in SDPA_OPS or node.target in SOFTMAX_OPS \
+                    or node.target is aten.embedding.default:
+                continue
+            for inp in self.inputs(node):
+                if inp.op == "placeholder" and (inp.name in self.params or inp.name in self.buffers):
+                    continue
+                if inp not in seen:
+                    seen.add(inp)
+                    queue.append(inp)
+        return found, ""
+
+    def path_nodes(self, src: Node, dst: Node) -> list[Node]:
+        """Nodes on some path src -> dst (both included), in graph order."""
+        lo, hi = self.order[src], self.order[dst]
+        anc = {dst}
+        queue = deque([dst])
+        while queue:
+            n = queue.popleft()
+            for inp in self.inputs(n):
+                if inp not in anc and self.order[inp] >= lo:
+                    anc.add(inp)
+                    queue.append(inp)
+        if src not in anc:
+            return []
+        desc = {src}
+        queue = deque([src])
+        while queue:
+            n = queue.popleft()
+            for user in self.users(n):
+                if user in anc and user not in desc and self.order[user] <= hi:
+                    desc.add(user)
+                    queue.append(user)
+        return sorted(desc, key=self.order.__getitem__)
+
+    def articulation(self, path: list[Node]) -> list[Node]:
+        """The nodes every path from path[0] to path[-1] goes through, in order."""
+        pos = {n: i for i, n in enumerate(path)}
+        covered = [0] * (len(path) + 1)
+        for n in path:
+            for inp in self.inputs(n):
+                if inp in pos and pos[n] - pos[inp] > 1:
+                    covered[pos[inp] + 1] += 1
+                    covered[pos[n]] -= 1
+        out, run = [], 0
+        for i, n in enumerate(path):
+            run += covered[i]
+            if run == 0:
+                out.append(n)
+        return out
+
+
+def _trig_near(node: Node, depth: int = 8) -> bool:
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n.op == "call_function" and n.target in _TRIG_OPS:
+                return True
+            for inp in n.all_input_nodes:
+                if inp not in seen:
+                    seen.add(inp)
+                    nxt.append(inp)
+        frontier = nxt
+    return False
+
+
+def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
+    """Push the projection's feature index to ``target`` and read the head map at the head split."""
+    path = g.path_nodes(proj.node, target)
+    if not path:
+        return None, f"{role}: no path from {proj.node.name} to {target.name}"
+    chain = g.articulation(path)
+    shape = shape_of(proj.node)
+    if shape is None:
+        return None, f"{role}: {proj.node.name} has a symbolic shape"
+    idx = torch.arange(shape[-1]).expand(shape)
+    # expected head dim at each chain node: the anchor's, or a piece of it before a last-axis cat
+    expect = [expect_dim] * len(chain)
+    shared = False
+    for i in range(len(chain) - 2, -1, -1):
+        nxt, cur = chain[i + 1], chain[i]
+        if cur in g.writes.get(nxt, ()) and shape_of(cur) and shape_of(nxt) and shape_of(cur)[-1] < shape_of(nxt)[-1]:
+            expect[i] = shape_of(cur)[-1]  # written into a last-axis slice of a buffer
+            shared = True
+        elif nxt.target is aten.cat.default and cur in nxt.args[0] and shape_of(cur) and shape_of(nxt) \
+                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(shape_of(nxt)) - 1) \
+                and shape_of(cur)[-1] != shape_of(nxt)[-1]:
+            expect[i] = shape_of(cur)[-1]
+            shared = True
+        else:
+            expect[i] = expect[i + 1]
+    found: Optional[HeadMap] = None
+    stop = ""
+    for i, node in enumerate(chain):
+        if i > 0:
+            prev = chain[i - 1]
+            direct = prev in node.all_input_nodes and node.target not in _ALLOC_OPS
+            try:
+                if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
+                    idx = push_layout(idx, node, prev, g.constants)
+                elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
+                    pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
+                elif isinstance(idx, tuple) and node.target is not None:
+                    raise _NotLayout(f"tuple consumed by {node.target}")
+                else:
+                    raise _NotLayout(f"{node.name} ({node.target}) changes the shape")
+            except (_NotLayout, RuntimeError, IndexError, TypeError) as exc:
+                stop = f"stopped at {node.name}: {exc}"
+                break
+        if isinstance(idx, torch.Tensor) and idx.shape[-1] == expect[i]:
+            hm = read_head_map(idx)
+            if hm is not None:
+                found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
+    if found is None:
+        return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (f" ({stop})" if stop else "")
+    path_set = set(path)
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set)
+    qk_norm = any(n.target in _NORM_OPS for n in path if n.op == "call_function")
+    return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
+
+
+def _strip_identity(node: Node) -> Node:
+    from .layout import IDENTITY_OPS
+    while node.op == "call_function" and node.target in IDENTITY_OPS and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _latent_input(g: _Graph, proj: Projection, depth: int = 16) -> bool:
+    """True when the projection reads a low-rank latent: another projection's output through a norm."""
+    frontier = [proj.input_node]
+    seen = set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if g.as_projection(n) is not None:
+                return True
+            if n.target in (aten.add.Tensor, aten.sub.Tensor) and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2:
+                continue  # a residual add: the input is the model's hidden stream, not a latent
+            if n.target is aten.embedding.default:
+                continue
+            nxt.extend(i for i in n.all_input_nodes if not (i.op == "placeholder"))
+        frontier = nxt
+    return False
+
+
+def _anchors(g: _Graph) -> list[tuple[Node, str, dict[str, Node], dict[str, int], str]]:
+    """(node, rule, role->node, role->expected head dim, reason) for each attention op."""
+    out = []
+    for node in g.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in SDPA_OPS:
+            q, k, v = node.args[:3]
+            dims = {r: (shape_of(n) or (0,))[-1] for r, n in zip("qkv", (q, k, v))}
+            out.append((node, "sdpa", {"q": q, "k": k, "v": v}, dims, ""))
+        elif node.target in SOFTMAX_OPS:
+            found = _manual(g, node)
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def _manual(g: _Graph, softmax: Node):
+    """softmax(q @ k^T ...) @ v: find the score op behind and the value op after a softmax."""
+    score = None
+    frontier = [softmax.args[0]]
+    for _ in range(10):  # masks, biases, scaling, soft-capping, casts
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node) or n.op != "call_function":
+                continue
+            if n.target in _SCORE_OPS and not any(isinstance(a, Node) and a.name in g.params for a in n.args):
+                score = n
+                break
+            if n.target in SOFTMAX_OPS or n.target in SDPA_OPS:
+                continue
+            nxt.extend(i for i in n.all_input_nodes if i.op == "call_function")
+        if score is not None or not nxt:
+            break
+        frontier = nxt
+    if score is None:
+        return None
+    if score.target is aten.baddbmm.default:
+        q, kt = score.args[1], score.args[2]
+    else:
+        q, kt = score.args[0], score.args[1]
+    value_op = None
+    frontier = [softmax]
+    for _ in range(6):  # dropout, casts, head masks
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.target in _SCORE_OPS and user.args and user.args[0] is n:
+                    value_op = user
+                    break
+                if user.op == "call_function" and user.target not in SOFTMAX_OPS:
+                    nxt.append(user)
+            if value_op is not None:
+                break
+        if value_op is not None or not nxt:
+            break
+        frontier = nxt
+    if value_op is None:
+        return (softmax, "manual_softmax", {}, {}, f"softmax {softmax.name} has scores but no value matmul after it")
+    v = value_op.args[1]
+    kt_shape = shape_of(kt) or (0, 0)
+    dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
+    return (value_op, "manual_softmax", {"q": q, "k": kt, "v": v}, dims, "")
+
+
+def find_sites(exported) -> list[RawSite]:
+    """Every attention site in the graph, matched or with the reason it was skipped."""
+    g = _Graph(exported)
+    sites = []
+    for node, rule, roles, dims, reason in _anchors(g):
+        name = _module_path(node) or node.name
+        site = RawSite(name, rule, node, {}, reason)
+        if reason:
+            sites.append(site)
+            continue
+        problems = []
+        for role, target in roles.items():
+            projs, why = g.find_projections(target)
+            if not projs:
+                problems.append(f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else ""))
+                continue
+            matches, whys = [], []
+            for proj in projs:
+                m, w = _role_match(g, role, target, dims[role], proj)
+                (matches if m else whys).append(m or w)
+            if not matches:
+                problems.append("; ".join(whys))
+                continue
+            per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
+            if len(per_head) > 1:
+                names = ", ".join(m.projection.module_path for m in per_head)
+                problems.append(f"{role}: the head vector comes from several per-head projections ({names})")
+                continue
+            chosen = per_head[0]
+            if len(matches) > 1:
+                chosen = dataclasses.replace(chosen, shared_piece=True)
+            site.roles[role] = chosen
+        if problems:
+            site.reason = "; ".join(problems)
+        if set(site.roles) == {"q", "k", "v"}:
+            q, k, v = (site.roles[r] for r in "qkv")
+            site.mla = k.shared_piece or v.shared_piece or _latent_input(g, k.projection) or _latent_input(g, v.projection)
+            site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(k.projection.input_node)
+        if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
+            log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
+        sites.append(site)
+    return sites

@@ -1,0 +1,156 @@
+"""Capture a model's graph with torch.export (non-strict, fake tensors), once per distinct block.
+
+Repeated blocks (the 80 decoder layers of a 70B model) are instances of one class with one
+configuration. Before exporting, every ``nn.ModuleList`` of such blocks is cut down to one
+representative per distinct block signature, so the trace costs O(distinct block types), not
+O(depth). :class:`Capture` maps what is found in a representative back to all its copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import TraceError
+
+__all__ = ["Capture", "capture", "block_signature"]
+
+log = logging.getLogger(__name__)
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def _simple_attrs(module: nn.Module, position: int) -> tuple:
+    items = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or key == "training":
+            continue
+        if isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)):
+            if isinstance(value, int) and not isinstance(value, bool) and value == position:
+                continue  # a layer index (layer_idx, layer_id, ...) differs per copy by design
+            items.append((key, value))
+    return tuple(items)
+
+
+def block_signature(module: nn.Module, position: int) -> tuple:
+    """What must agree for two blocks to share one trace: classes, tensor shapes, plain attributes."""
+    parts = []
+    for name, sub in module.named_modules():
+        parts.append((name, type(sub).__qualname__, _simple_attrs(sub, position)))
+        for pname, p in sub.named_parameters(recurse=False):
+            parts.append((name, pname, tuple(p.shape), p.dtype, p.requires_grad))
+        for bname, b in sub.named_buffers(recurse=False):
+            parts.append((name, bname, tuple(b.shape), b.dtype))
+    return tuple(parts)
+
+
+@dataclasses.dataclass
+class Capture:
+    """An exported graph plus the map from traced module paths to the model's real ones."""
+
+    exported: Any  # torch.export.ExportedProgram
+    # traced list path (e.g. "model.layers") -> for each traced position, the original indices it stands for
+    groups: dict[str, list[list[int]]]
+    seconds: float
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph
+
+    def expand_path(self, path: str) -> list[str]:
+        """All module paths in the real model that a traced module path stands for."""
+        for list_path, positions in self.groups.items():
+            prefix = list_path + "."
+            if path.startswith(prefix):
+                rest = path[len(prefix):]
+                idx, _, tail = rest.partition(".")
+                if idx.isdigit() and int(idx) < len(positions):
+                    return [f"{prefix}{orig}{'.' + tail if tail else ''}" for orig in positions[int(idx)]]
+        return [path]
+
+    def group_of(self, path: str) -> tuple[str, int] | None:
+        """(list path, traced position) of the repeated block a traced path sits in, if any."""
+        for list_path, positions in self.groups.items():
+            prefix = list_path + "."
+            if path.startswith(prefix):
+                idx = path[len(prefix):].partition(".")[0]
+                if idx.isdigit():
+                    return list_path, int(idx)
+        return None
+
+
+@contextlib.contextmanager
+def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list[list[int]]]]:
+    """Temporarily cut every ModuleList of repeated blocks down to one block per signature."""
+    groups: dict[str, list[list[int]]] = {}
+    swaps: list[tuple[nn.Module, str, nn.Module, str]] = []
+    if enabled:
+        for path, module in list(model.named_modules()):
+            if not isinstance(module, nn.ModuleList) or len(module) < 2:
+                continue
+            reps: dict[tuple, int] = {}
+            positions: list[list[int]] = []
+            keep: list[nn.Module] = []
+            for i, block in enumerate(module):
+                sig = block_signature(block, i)
+                if sig in reps:
+                    positions[reps[sig]].append(i)
+                else:
+                    reps[sig] = len(keep)
+                    keep.append(block)
+                    positions.append([i])
+            if len(keep) == len(module):
+                continue
+            # Keep the list's place in the model; the representatives keep their relative order.
+            parent_path, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            swaps.append((parent, attr, module, path))
+            groups[path] = positions
+    try:
+        for parent, attr, module, path in swaps:
+            parent._modules[attr] = nn.ModuleList([module[p[0]] for p in groups[path]])
+        yield groups
+    finally:
+        for parent, attr, module, _ in swaps:
+            parent._modules[attr] = module
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool = True) -> Capture:
+    """Export ``model`` on fake tensors (no real compute) with one representative per block type.
+
+    Example::
+
+        cap = capture(model, (), {"input_ids": ids, "use_cache": False})
+        cap.graph  # torch.fx.Graph of aten ops
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    try:
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        with _representatives(model, dedupe_blocks) as groups, torch.enable_grad():
+            # Grad on and train() off the fused inference fast paths (nn.TransformerEncoderLayer,
+            # nn.MultiheadAttention), so the per-head structure stays visible in the graph.
+            ep = _export(model, args, kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
+    return Capture(ep, groups, seconds)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict):
+    try:
+        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    except Exception as exc:  # torch.export raises many types; keep its reason
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+            "Check that the example inputs run the model's forward (model(*example_args, "
+            "**example_kwargs)), and for transformers models pass use_cache=False."
+        ) from exc

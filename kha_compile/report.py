@@ -1,0 +1,89 @@
+"""What the pass found: one :class:`AttentionSite` per attention, in a printable :class:`Report`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["AttentionSite", "Report"]
+
+
+@dataclasses.dataclass
+class AttentionSite:
+    """One attention op in the model, matched (with its projections) or skipped (with a reason)."""
+
+    name: str
+    status: str  # "matched" | "skipped"
+    reason: str = ""
+    kind: Optional[str] = None  # "mha" | "gqa" | "mqa" | "mla" | "cross"
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    q_proj: Optional[str] = None
+    k_proj: Optional[str] = None
+    v_proj: Optional[str] = None
+    rope: bool = False
+    qk_norm: bool = False
+    anchor: str = ""  # "sdpa" | "manual_softmax"
+    transforms: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "linear" | "mlp"
+    note: str = ""  # e.g. why a requested transform was changed
+
+    @property
+    def matched(self) -> bool:
+        return self.status == "matched"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Report:
+    """The sites of a model; ``str(report)`` is a table.
+
+    Example::
+
+        report = kc.inspect(model)
+        print(report)
+        [s.name for s in report.sites if s.status == "skipped"]
+    """
+
+    model: str
+    sites: list[AttentionSite]
+    trace_seconds: float = 0.0
+    traced_blocks: int = 0
+
+    @property
+    def matched(self) -> list[AttentionSite]:
+        return [s for s in self.sites if s.matched]
+
+    @property
+    def skipped(self) -> list[AttentionSite]:
+        return [s for s in self.sites if not s.matched]
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for s in self.sites:
+            if s.matched:
+                tf = ",".join(f"{r}:{k}" for r, k in sorted(s.transforms.items())) or "-"
+                projs = "/".join(sorted({p.rpartition(".")[2] for p in (s.q_proj, s.k_proj, s.v_proj) if p}))
+                rows.append([s.name, s.kind or "", str(s.num_heads), str(s.num_kv_heads), str(s.head_dim),
+                             "yes" if s.rope else "-", "yes" if s.qk_norm else "-", projs, tf, s.note])
+            else:
+                rows.append([s.name, "skipped", "", "", "", "", "", "", "", s.reason])
+        return rows
+
+    HEADER = ["site", "kind", "heads", "kv", "dim", "rope", "qk-norm", "proj", "kha", "note"]
+
+    def __str__(self) -> str:
+        rows = [self.HEADER] + self.rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEADER) - 1)]
+        lines = [f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped"]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else ""))
+        return "\n".join(lines).rstrip()
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "sites": [s.to_dict() for s in self.sites]}
