@@ -78,12 +78,10 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
             "mqa" if k.head_map.num_heads == 1 else "gqa")
         handlers = {r: _handler(model, raw.roles[r]) for r in "qkv"}
         bad = [why for h, why in handlers.values() if not h]
-        kinds, note = {}, ""
-        if cfg is not None:
-            kinds = cfg.roles()
-            if kind == "mla" and kinds.get("v") == "mlp":
-                kinds["v"] = "linear"
-                note = "MLA: v='mlp' would break weight absorption; v uses 'linear' (as in the paper)"
+        kinds = cfg.roles() if cfg is not None else {}
+        note = "MLA: linear KHA only; MLP-value would break weight absorption (as in the paper)" if kind == "mla" else ""
+        if kind == "mla" and kinds.get("v") == "mlp":
+            kinds["v"] = "linear"
         slots = {}
         for r in kinds:
             param_space = handlers[r][0] == "mha"

@@ -138,6 +138,8 @@ def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tenso
 
 
 def _varies(idx: Tensor, axis: int) -> bool:
+    if idx.stride(axis) == 0:  # a broadcast (expanded) axis is constant by construction
+        return False
     return bool((idx != idx.narrow(axis, 0, 1)).any())
 
 

@@ -149,6 +149,8 @@ class _Graph:
         shape = shape_of(cur)
         if shape is None or len(shape) != 2:
             return None
+        if not chain:  # the weight itself: features are its rows (linear) or columns (addmm/mm)
+            return name, torch.arange(shape[out_axis])
         rows = torch.arange(shape[0]).unsqueeze(1).expand(shape)
         cols = torch.arange(shape[1]).unsqueeze(0).expand(shape)
         try:
@@ -310,6 +312,9 @@ def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Proje
                 else:
                     raise _NotLayout(f"{node.name} ({node.target}) changes the shape")
             except (_NotLayout, RuntimeError, IndexError, TypeError) as exc:
+                if node.target in LAYOUT_OPS or node.target is aten.index.Tensor:
+                    # a layout op we could not evaluate: the head map after it is unknown
+                    return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
                 stop = f"stopped at {node.name}: {exc}"
                 break
         if isinstance(idx, torch.Tensor) and idx.shape[-1] == expect[i]:

@@ -25,28 +25,40 @@ log = logging.getLogger(__name__)
 _SIMPLE = (int, float, str, bool, type(None))
 
 
-def _simple_attrs(module: nn.Module, position: int) -> tuple:
-    items = []
-    for key, value in sorted(vars(module).items()):
+def _simple_attrs(module: nn.Module) -> dict[str, object]:
+    items = {}
+    for key, value in vars(module).items():
         if key.startswith("_") or key == "training":
             continue
         if isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)):
-            if isinstance(value, int) and not isinstance(value, bool) and value == position:
-                continue  # a layer index (layer_idx, layer_id, ...) differs per copy by design
-            items.append((key, value))
-    return tuple(items)
+            items[key] = value
+    return items
 
 
-def block_signature(module: nn.Module, position: int) -> tuple:
-    """What must agree for two blocks to share one trace: classes, tensor shapes, plain attributes."""
+def block_signature(module: nn.Module, ignore: frozenset = frozenset()) -> tuple:
+    """What must agree for two blocks to share one trace: classes, tensor shapes, plain attributes.
+
+    ``ignore`` holds (submodule path, attribute) pairs left out, such as a layer index.
+    """
     parts = []
     for name, sub in module.named_modules():
-        parts.append((name, type(sub).__qualname__, _simple_attrs(sub, position)))
+        attrs = tuple(sorted((k, v) for k, v in _simple_attrs(sub).items() if (name, k) not in ignore))
+        parts.append((name, type(sub).__qualname__, attrs))
         for pname, p in sub.named_parameters(recurse=False):
             parts.append((name, pname, tuple(p.shape), p.dtype, p.requires_grad))
         for bname, b in sub.named_buffers(recurse=False):
             parts.append((name, bname, tuple(b.shape), b.dtype))
     return tuple(parts)
+
+
+def _index_attrs(blocks: nn.ModuleList) -> frozenset:
+    """Attributes that hold the block's own position in every block (layer_idx, layer_id, ...)."""
+    found = None
+    for i, block in enumerate(blocks):
+        here = {(name, k) for name, sub in block.named_modules() for k, v in _simple_attrs(sub).items()
+                if type(v) is int and v == i}
+        found = here if found is None else found & here
+    return frozenset(found or ())
 
 
 @dataclasses.dataclass
@@ -96,8 +108,9 @@ def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list
             reps: dict[tuple, int] = {}
             positions: list[list[int]] = []
             keep: list[nn.Module] = []
+            ignore = _index_attrs(module)
             for i, block in enumerate(module):
-                sig = block_signature(block, i)
+                sig = block_signature(block, ignore)
                 if sig in reps:
                     positions[reps[sig]].append(i)
                 else:

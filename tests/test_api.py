@@ -1,0 +1,257 @@
+"""apply / inspect / save / load on the zoo of tiny models: matched, identity at init, wired, trainable."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import kha_compile as kc
+from kha_compile.errors import (AlreadyAppliedError, CheckpointError, KHAConfigError, MissingExampleInputsError,
+                                NoAttentionFoundError)
+from kha_compile.modules import KHAProjection, KHAMultiheadAttention
+
+import zoo
+
+CONFIGS = {"mlp": kc.KHAConfig(v="mlp"), "linear": kc.KHAConfig(q="linear", k="linear", v="linear")}
+
+
+def main_output(out):
+    """The tensor a model's forward is about: logits, last hidden state, or the output itself."""
+    if isinstance(out, dict) and "sentence_embedding" in out:
+        return out["sentence_embedding"]
+    for attr in ("logits", "last_hidden_state"):
+        if hasattr(out, attr):
+            return getattr(out, attr)
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def run(case: zoo.ZooCase) -> torch.Tensor:
+    # grad stays on: nn.TransformerEncoderLayer's fused no-grad fast path rounds differently
+    return main_output(case())
+
+
+def kha_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".kha." in f".{n}"}
+
+
+@pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+def test_apply_matches_every_block_is_identity_wired_and_trainable(name, cfg_name):
+    case = zoo.make(name)
+    ref = run(case).detach()
+    kc.apply(case.model, CONFIGS[cfg_name], *case.example)
+
+    report = kc.inspect(case.model, *case.example)
+    assert len(report.matched) == case.num_sites, str(report)
+    assert not report.skipped, str(report)
+    kinds: dict[str, int] = {}
+    for s in report.matched:
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        assert s.num_heads == case.num_heads and s.num_kv_heads == case.num_kv_heads, str(report)
+        expected = dict(CONFIGS[cfg_name].roles())
+        if s.kind == "mla" and expected.get("v") == "mlp":
+            expected["v"] = "linear"
+        assert s.transforms == expected, str(report)
+    assert kinds == case.kinds
+
+    params = kha_params(case.model)
+    assert params and all("kha" in n for n in params)
+    for m in case.model.modules():
+        if isinstance(m, (KHAProjection, KHAMultiheadAttention)):
+            assert type(m).__module__.startswith("kha_compile")
+
+    out = run(case)
+    assert torch.equal(out, ref), f"max diff {(out - ref).abs().max().item()}"
+
+    out.float().pow(2).mean().backward()
+    no_grad = [n for n, p in params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, f"KHA parameters without gradient: {no_grad[:4]}"
+
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.05 * torch.randn_like(p))
+    assert not torch.allclose(run(case), ref, atol=1e-5), "perturbing KHA weights did not change the output"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "deepseek_v3", "torch_encoder", "nanogpt", "falcon"])
+def test_identity_in_bfloat16(name):
+    case = zoo.make(name, dtype=torch.bfloat16)
+    ref = run(case).detach()
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"), *case.example)
+    assert all(p.dtype == torch.bfloat16 for p in kha_params(case.model).values())
+    assert torch.equal(run(case), ref)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])
+def test_generate_with_kv_cache_gives_the_original_tokens(name):
+    case = zoo.make(name)
+    ids = case.kwargs["input_ids"][:1, :4]
+    gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    ref = case.model.generate(ids, **gen)
+    kc.apply(case.model, kc.KHAConfig(v="mlp"))
+    out = case.model.generate(ids, **gen)
+    assert torch.equal(out, ref)
+
+
+def test_inspect_before_apply_reports_sites_without_transforms_and_a_table():
+    case = zoo.make("qwen3")
+    report = kc.inspect(case.model)
+    assert len(report.matched) == 2
+    site = report.sites[0]
+    assert site.name == "model.layers.0.self_attn"
+    assert (site.kind, site.num_heads, site.num_kv_heads, site.head_dim) == ("gqa", 4, 2, 16)
+    assert site.rope and site.qk_norm and site.transforms == {}
+    assert site.q_proj == "model.layers.0.self_attn.q_proj" and site.v_proj.endswith("v_proj")
+    table = str(report)
+    assert "model.layers.1.self_attn" in table and "gqa" in table and "qk-norm" in table
+
+
+def test_mla_mlp_request_becomes_linear_and_the_report_says_why():
+    case = zoo.make("deepseek_v3")
+    kc.apply(case.model, kc.KHAConfig(v="mlp"))
+    report = kc.inspect(case.model)
+    assert all(s.kind == "mla" and s.transforms == {"v": "linear"} for s in report.matched)
+    assert all("MLA" in s.note for s in report.matched)
+
+
+def test_repeated_blocks_are_traced_once(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from kha_compile.passes import trace
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    model = LlamaForCausalLM(cfg).eval()
+    seen = []
+    real = trace._export
+
+    def spy(m, args, kwargs):
+        seen.append(len(m.model.layers))
+        return real(m, args, kwargs)
+
+    monkeypatch.setattr(trace, "_export", spy)
+    kc.apply(model, kc.KHAConfig(v="linear"))
+    assert seen == [1]  # one representative of six identical layers
+    assert len(model.model.layers) == 6
+    assert sum(".kha." in n for n, _ in model.named_parameters()) == 6
+
+
+def test_meta_device_model_gets_meta_transforms_without_materialising():
+    case = zoo.make("llama", device="meta")
+    kc.apply(case.model, kc.KHAConfig(v="mlp"))
+    params = kha_params(case.model)
+    assert len(params) == 6 and all(p.is_meta for p in params.values())
+
+
+# --- save / load ----------------------------------------------------------------------------
+
+def _trained(name="llama", cfg=kc.KHAConfig(q="linear", v="mlp")):
+    case = zoo.make(name)
+    kc.apply(case.model, cfg)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in kha_params(case.model).values():
+            p.add_(0.1 * torch.randn_like(p))
+    return case
+
+
+def test_save_load_round_trip_gives_identical_outputs(tmp_path):
+    case = _trained()
+    kc.save_pretrained(case.model, tmp_path / "ckpt")
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["kha_config.json", "kha_model.safetensors"]
+    meta = json.loads((tmp_path / "ckpt" / "kha_config.json").read_text())
+    assert meta["version"] == 1 and meta["q"] == "linear" and meta["v"] == "mlp"
+    fresh = zoo.make("llama")
+    kc.load_pretrained(fresh.model, tmp_path / "ckpt")
+    assert torch.equal(run(fresh), run(case))
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
+def test_load_of_a_checkpoint_that_does_not_fit_leaves_the_model_unchanged(tmp_path):
+    case = _trained("llama")
+    kc.save_pretrained(case.model, tmp_path / "ckpt")
+    other = zoo.make("qwen3")  # same shapes, different module names? no: same paths, different head count
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=128)  # head dim 32, not 16
+    model = LlamaForCausalLM(cfg).eval()
+    state, classes = _snapshot(model)
+    with pytest.raises(CheckpointError, match="does not fit.*shape mismatch"):
+        kc.load_pretrained(model, tmp_path / "ckpt")
+    assert [type(m) for m in model.modules()] == classes
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    del other
+
+
+def test_load_of_a_truncated_file_is_a_clear_error_and_changes_nothing(tmp_path):
+    case = _trained()
+    kc.save_pretrained(case.model, tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "kha_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-40])
+    fresh = zoo.make("llama")
+    state, classes = _snapshot(fresh.model)
+    with pytest.raises(CheckpointError, match="truncated"):
+        kc.load_pretrained(fresh.model, tmp_path / "ckpt")
+    assert [type(m) for m in fresh.model.modules()] == classes
+    assert fresh.model.state_dict().keys() == state.keys()
+
+
+def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="kha_config.json"):
+        kc.load_pretrained(zoo.make("llama").model, tmp_path / "nowhere")
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("v", "gate"), ("q", "mlp"), ("k", 1)])
+def test_invalid_config_lists_the_allowed_values(field, value):
+    with pytest.raises(KHAConfigError, match="use one of") as err:
+        kc.KHAConfig(**{field: value})
+    assert "'linear'" in str(err.value) and isinstance(err.value, kc.KHAError)
+
+
+def test_config_is_frozen_and_round_trips():
+    cfg = kc.KHAConfig(q="linear")
+    with pytest.raises(Exception):
+        cfg.q = None
+    assert kc.KHAConfig.from_dict(cfg.to_dict()) == cfg
+    assert kc.KHAConfig() == kc.KHAConfig(q=None, k=None, v="mlp")
+
+
+def test_no_attention_is_a_clear_error_and_strict_false_warns():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with pytest.raises(NoAttentionFoundError, match="no per-head attention.*scaled_dot_product_attention"):
+        kc.apply(model, example_args=(x,))
+    with pytest.warns(UserWarning, match="no per-head attention"):
+        out = kc.apply(model, example_args=(x,), strict=False)
+    assert out is model and not kha_params(model)
+
+
+def test_apply_twice_is_refused_with_already():
+    case = zoo.make("gpt2")
+    kc.apply(case.model)
+    with pytest.raises(AlreadyAppliedError, match="already"):
+        kc.apply(case.model)
+
+
+def test_non_transformers_model_without_inputs_says_to_pass_them():
+    with pytest.raises(MissingExampleInputsError, match="example_args"):
+        kc.apply(zoo.make("nanogpt").model)
+
+
+def test_remove_restores_the_original_classes_and_keys():
+    case = zoo.make("gpt_neox")
+    keys = list(case.model.state_dict())
+    classes = [type(m) for m in case.model.modules()]
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    kc.remove(case.model)
+    assert list(case.model.state_dict()) == keys and [type(m) for m in case.model.modules()] == classes
