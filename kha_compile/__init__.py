@@ -15,11 +15,13 @@ from .errors import KHAError
 from . import ops  # registers torch.ops.kha.*
 from .api import apply, inspect, load_pretrained, remove, save_pretrained
 from .passes.fold import fold
+from .exporters import export_onnx, export_tensorrt
 from .report import AttentionSite, Report
+from . import backend  # registers the torch.compile backend "kha" (lazily); kc.backend(...) is callable
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["KHAConfig", "KHAError", "apply", "inspect", "fold", "remove", "save_pretrained", "load_pretrained",
-           "AttentionSite", "Report", "__version__"]
+           "AttentionSite", "Report", "backend", "__version__"]

@@ -274,23 +274,16 @@ class _GraphContext:
         node = self.graph.call_function(target, args)
         if like is not None and "nn_module_stack" in like.meta:
             node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
-        fake_args = fx.node.map_arg(args, lambda n: n.meta.get("example_value"))
-        if self._fake_mode is not None and all(
-                a is not None for a in fx.node.map_arg(args, lambda n: n.meta.get("example_value"))
-                if isinstance(a, Tensor) or a is None) and not _has_none(fake_args, args):
+        missing = []
+        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta
+                                    else n.meta["example_value"])
+        if self._fake_mode is not None and not missing:
             try:
                 with self._fake_mode:
                     node.meta["example_value"] = target(*fake_args)
             except Exception:  # pragma: no cover - metadata only
                 pass
         return node
-
-
-def _has_none(fake_args: Any, args: Any) -> bool:
-    """Whether some Node in ``args`` has no example value."""
-    found = []
-    fx.node.map_arg(args, lambda n: found.append(n.meta.get("example_value") is None))
-    return any(found)
 
 
 def _fake_mode(example_inputs: Sequence[Any]):
@@ -713,8 +706,8 @@ def _view_descendants(p: fx.Node, width: int, shape: Sequence[int], ctx: _GraphC
         for u in cur.users:
             if u in values:
                 continue
-            if _is_view(u) and u.args and u.args[0] is cur and not any(
-                    a in values for a in fx.node.map_aggregate(u.args[1:], lambda x: x) if isinstance(a, fx.Node)):
+            if _is_view(u) and u.args and u.args[0] is cur and all(
+                    n is cur or n not in values for n in u.all_input_nodes):
                 out = _simulate_view(u, values[cur], base, ctx)
                 if out is not None:
                     values[u] = out
@@ -937,8 +930,7 @@ class DeployKHA(Rule):
                     weights[s.role] = (kind, nodes)
             y = proj.node
             before = set(ctx.graph.nodes)
-            with ctx.graph.inserting_after(y):
-                z = _emit_transform(ctx, y, keep, entry.out_features, weights)
+            z = _emit_transform(ctx, y, keep, entry.out_features, weights)
             new_nodes = set(ctx.graph.nodes) - before
             y.replace_all_uses_with(z, delete_user_cb=lambda u: u not in new_nodes)
         return len(slots)
@@ -952,14 +944,12 @@ def _emit_transform(ctx: _GraphContext, y: fx.Node, slots: list[HeadSlot], width
     Nodes are inserted in order at the current insertion point.
     """
     mode, stride = _plan(tuple(slots), width)
-    last = [y]
+    cursor = [y]
 
     def call(target, args):
-        node = ctx.call(target, args, like=y)
-        # keep inserting after the node just made: the graph stays in topological order
-        ctx.graph._insert = node.append  # type: ignore[attr-defined]
-        last[0] = node
-        return node
+        with ctx.graph.inserting_after(cursor[0]):  # keep the new nodes in order after y
+            cursor[0] = ctx.call(target, args, like=y)
+        return cursor[0]
 
     if mode == "blocks":
         src, axis = y, width
@@ -1059,16 +1049,23 @@ class _Deploy:
 
 
 def _compiled_root() -> Optional[nn.Module]:
-    """The module being compiled by ``torch.compile(module)``: the innermost OptimizedModule on the stack."""
+    """The module given to ``torch.compile(module)``: the innermost OptimizedModule call on the stack.
+
+    Only the frames of ``OptimizedModule.__call__`` and ``nn.Module``'s call wrappers are looked at,
+    and only their ``self``.
+    """
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover
         return None
+    codes = {getattr(fn, "__code__", None) for fn in (OptimizedModule.__call__, nn.Module._call_impl,
+                                                      getattr(nn.Module, "_wrapped_call_impl", None))}
     f = sys._getframe(1)
     while f is not None:
-        obj = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
-        if isinstance(obj, OptimizedModule):
-            return obj._orig_mod
+        if f.f_code in codes:
+            obj = f.f_locals.get("self")
+            if isinstance(obj, OptimizedModule):
+                return obj._orig_mod
         f = f.f_back
     return None
 
@@ -1183,6 +1180,7 @@ class KHABackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         root = _compiled_root()
+        gm = _copy(gm)  # Dynamo keeps using the graph it passed (its placeholders) after we return
         stats = GraphStats(len(self.stats.graphs))
         self.stats.graphs.append(stats)
         ctx = _GraphContext(gm, example_inputs, stats, self.options)
@@ -1220,6 +1218,14 @@ class KHABackend:
         if self.compiler == "eager":
             return gm.forward
         return self.compiler(gm, example_inputs)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), sharing its attributes."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
 
 
 def create(from_pretrained=None, **options) -> KHABackend:

@@ -1,15 +1,30 @@
 """``kha::mlp_value``: V~ = 2 * ((V W_up) * sigmoid(V W_gate)) W_down over the last axis of V.
 
 One op for eager, torch.compile, torch.export and ONNX: graphs keep it as a single node.
+On CUDA tensors it runs the fused Triton kernels of :mod:`kha_compile.kernels.mlp_value` (forward,
+and backward through ``kha::mlp_value_backward``) when triton is installed and the shape is one they
+take (d <= 128; fp32, bf16, fp16); otherwise, and on every other device, the composite formula.
+
+Example::
+
+    y = torch.ops.kha.mlp_value(v, w_up, w_gate, w_down)        # v: (..., d), weights (d, d)
+    gv, gu, gg, gd = torch.ops.kha.mlp_value_backward(grad_y, v, w_up, w_gate, w_down)
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
 
 from ..errors import OpInputError
 
-__all__ = ["mlp_value", "mlp_value_reference", "check_mlp_value_inputs"]
+__all__ = [
+    "mlp_value", "mlp_value_reference", "check_mlp_value_inputs",
+    "mlp_value_backward", "mlp_value_backward_reference",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def check_mlp_value_inputs(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> None:
@@ -56,13 +71,13 @@ def _(v, w_up, w_gate, w_down):
     return torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def mlp_value_backward_reference(
+    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (v, w_up, w_gate, w_down) of ``mlp_value`` in plain torch ops (differentiable).
 
-
-def _backward(ctx, grad):
-    v, w_up, w_gate, w_down = ctx.saved_tensors
-    # Recompute the gate activations instead of saving them: two (M, d) tensors fewer in memory.
+    Recomputes the gate activations from v instead of saving them: two (M, d) tensors fewer in memory.
+    """
     d = v.shape[-1]
     v2 = v.reshape(-1, d)  # (M, d)
     g2 = grad.reshape(-1, d)  # (M, d)
@@ -71,14 +86,90 @@ def _backward(ctx, grad):
     h = 2.0 * a * s  # (M, d)
     grad_h = g2 @ w_down.t()
     grad_a = grad_h * (2.0 * s)
-    grad_g = grad_h * (2.0 * a * s * (1.0 - s))
+    grad_g = grad_h * (h * (1.0 - s))
     grad_v = grad_a @ w_up.t() + grad_g @ w_gate.t()
-    return (
-        grad_v.reshape(v.shape),
-        v2.t() @ grad_a,
-        v2.t() @ grad_g,
-        h.t() @ g2,
-    )
+    return grad_v.reshape(v.shape), v2.t() @ grad_a, v2.t() @ grad_g, h.t() @ g2
+
+
+@torch.library.custom_op("kha::mlp_value_backward", mutates_args=())
+def mlp_value_backward(
+    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (grad_v, grad_w_up, grad_w_gate, grad_w_down) of ``kha::mlp_value`` for output grad ``grad``.
+
+    Example::
+
+        gv, gu, gg, gd = torch.ops.kha.mlp_value_backward(grad_y, v, w_up, w_gate, w_down)
+    """
+    _check_backward_inputs(grad, v, w_up, w_gate, w_down)
+    return mlp_value_backward_reference(grad, v, w_up, w_gate, w_down)
+
+
+def _check_backward_inputs(grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> None:
+    check_mlp_value_inputs(v, w_up, w_gate, w_down)
+    if grad.shape != v.shape or grad.dtype != v.dtype or grad.device != v.device:
+        raise OpInputError(
+            f"kha::mlp_value_backward: grad has shape {tuple(grad.shape)} ({grad.dtype}, {grad.device}), "
+            f"but v has shape {tuple(v.shape)} ({v.dtype}, {v.device}); they must match."
+        )
+
+
+@mlp_value_backward.register_fake
+def _(grad, v, w_up, w_gate, w_down):
+    _check_backward_inputs(grad, v, w_up, w_gate, w_down)
+    return torch.empty_like(v), torch.empty_like(w_up), torch.empty_like(w_gate), torch.empty_like(w_down)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the fused Triton kernels (imported on first call), the composite formula where they do not apply
+# --------------------------------------------------------------------------------------------------
+def _use_triton(v: Tensor) -> bool:
+    from ..kernels import mlp_value as kernels  # no triton import here; triton_available() does that
+
+    return kernels.triton_supports(v.shape[-1], v.dtype) and kernels.triton_available()
+
+
+def _mlp_value_cuda(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
+    check_mlp_value_inputs(v, w_up, w_gate, w_down)
+    if not _use_triton(v):
+        return mlp_value_reference(v, w_up, w_gate, w_down)
+    from ..kernels.mlp_value import mlp_value_triton_forward
+
+    d = v.shape[-1]
+    y = mlp_value_triton_forward(v.reshape(-1, d), w_up, w_gate, w_down)  # (M, d)
+    return y.reshape(v.shape)
+
+
+def _mlp_value_backward_cuda(
+    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_backward_inputs(grad, v, w_up, w_gate, w_down)
+    if not _use_triton(v):
+        return mlp_value_backward_reference(grad, v, w_up, w_gate, w_down)
+    from ..kernels.mlp_value import mlp_value_triton_backward
+
+    d = v.shape[-1]
+    gv, gu, gg, gd = mlp_value_triton_backward(grad.reshape(-1, d), v.reshape(-1, d), w_up, w_gate, w_down)
+    return gv.reshape(v.shape), gu, gg, gd
+
+
+mlp_value.register_kernel("cuda")(_mlp_value_cuda)
+mlp_value_backward.register_kernel("cuda")(_mlp_value_backward_cuda)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    v, w_up, w_gate, w_down = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        # create_graph=True (double backward): the composite formula is differentiable, the op is not.
+        return mlp_value_backward_reference(grad, v, w_up, w_gate, w_down)
+    return torch.ops.kha.mlp_value_backward(grad, v, w_up, w_gate, w_down)
 
 
 mlp_value.register_autograd(_backward, setup_context=_setup_context)

@@ -110,6 +110,12 @@ class _Graph:
             if isinstance(value, torch.Tensor):
                 consts[name] = value
         self.constants = consts
+        self.scope: dict[str, list[Node]] = {}
+        for n in self.graph.nodes:
+            if n.op == "call_function" and n.target is not aten._assert_tensor_metadata.default:
+                for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+                    if path:  # every enclosing module, so a module's scope includes its children's
+                        self.scope.setdefault(path, []).append(n)
         # In-place writes (``buf = x.new_empty(...); buf[..., :n] = piece``): the data of ``buf``
         # comes from ``piece``; ops like new_empty read only the metadata of their input.
         self.writes: dict[Node, list[Node]] = {}
@@ -187,7 +193,34 @@ class _Graph:
             return None
         name, fmap = src
         module_path = name.rpartition(".")[0]
-        return Projection(node, name, module_path, _module_path(node) == module_path, fmap, x)
+        return Projection(node, name, module_path, self.is_module_output(node, module_path), fmap, x)
+
+    def is_module_output(self, node: Node, module_path: str) -> bool:
+        """True when the module at ``module_path`` only computes ``node`` and post-processes it.
+
+        After the projection, the module may reshape it, add a bias, or (after apply) run KHA's
+        own transforms; any other input (an attention op in the same module) means the weight is
+        used functionally inside a bigger module.
+        """
+        if not module_path or _module_path(node) != module_path:
+            return False
+        own = {node}
+        for n in self.scope.get(module_path, ()):
+            if self.order[n] <= self.order[node]:
+                if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \
+                        and not self._feeds_weight(n, node):
+                    return False
+                continue
+            for inp in n.all_input_nodes:
+                if inp not in own and not (inp.op == "placeholder" and (inp.name in self.params or inp.name in self.constants)):
+                    return False
+            own.add(n)
+        return True
+
+    @staticmethod
+    def _feeds_weight(n: Node, proj: Node) -> bool:
+        """A node before the projection in its module that only prepares the weight (t, numpy_T)."""
+        return all(u is proj or u.target in LAYOUT_OPS for u in n.users)
 
     # -- walks ---------------------------------------------------------------------------
     def find_projections(self, start: Node, limit: int = 400) -> tuple[list[Projection], str]:

@@ -1,0 +1,501 @@
+"""ONNX export: ``torch.onnx.export(dynamo=True)`` with one custom-domain node per MLP-value call.
+
+Each ``torch.ops.kha.mlp_value`` call becomes one node ``kha::MLPValue`` that carries the string
+attributes ``plugin_namespace`` and ``plugin_version``: TensorRT's ONNX parser looks a node that has
+``plugin_namespace`` up in its plugin registry as plugin ``op_type`` (version ``plugin_version``,
+default "1"), i.e. ``kha::MLPValue`` v1 (see :mod:`kha_compile.exporters.tensorrt`). The file also
+carries a model-local function of the same domain and name that holds the decomposition, so
+onnxruntime, the ONNX checker and every runtime that inlines functions run it as it is (TensorRT
+too, when the plugin is not registered).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import logging
+import os
+import pathlib
+import re
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import BackendUnavailableError, ExportError
+
+__all__ = [
+    "MLP_VALUE_DOMAIN", "MLP_VALUE_OP", "MLP_VALUE_DOMAIN_VERSION", "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION", "PLUGIN_ID", "TensorInfo", "OnnxSummary", "export_onnx", "onnx_summary",
+    "mlp_value_function", "dynamic_axes_for",
+]
+
+log = logging.getLogger(__name__)
+
+MLP_VALUE_DOMAIN = "kha"            # ONNX domain of the custom node
+MLP_VALUE_OP = "MLPValue"           # its op_type; also the TensorRT plugin name
+MLP_VALUE_DOMAIN_VERSION = 1        # opset version of the "kha" domain
+PLUGIN_NAMESPACE = "kha"            # node attribute "plugin_namespace"
+PLUGIN_VERSION = "1"                # node attribute "plugin_version" (tensorrt.plugin registers "1")
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{MLP_VALUE_OP}"   # the id tensorrt.plugin.register takes
+
+_MLP_VALUE_INPUTS = ("v", "w_up", "w_gate", "w_down")
+_PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+_BATCH, _SEQ = "batch", "seq"
+_IMAGE_HINTS = ("pixel", "image", "video")
+
+
+# --------------------------------------------------------------------------------------------
+# Summary of an ONNX file (plain data, used by the tests and the TensorRT path)
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A graph input or output: name, element type and dims (int, or a str for a dynamic one)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str | None, ...]
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        """``{axis: name}`` for every axis that is not a fixed size."""
+        return {i: (d if isinstance(d, str) else "?") for i, d in enumerate(self.dims)
+                if not isinstance(d, int)}
+
+    def __str__(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.dims)
+        return f"{self.name}: {self.dtype}[{dims}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class OnnxSummary:
+    """What an ONNX file holds: node counts, the MLP-value nodes, functions, inputs and outputs."""
+
+    path: pathlib.Path | None
+    opset: int                                   # default-domain opset the model imports
+    num_nodes: int                               # nodes of the main graph
+    op_counts: dict[str, int]                    # "domain::op_type" (or "op_type") -> count
+    custom_nodes: tuple[str, ...]                # names of the kha::MLPValue nodes
+    functions: tuple[tuple[str, str], ...]       # (domain, name) of the model-local functions
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+
+    @property
+    def num_custom_nodes(self) -> int:
+        return len(self.custom_nodes)
+
+    def __str__(self) -> str:
+        lines = [
+            f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
+            f"{self.num_custom_nodes} {MLP_VALUE_DOMAIN}::{MLP_VALUE_OP}, "
+            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}"]
+        for kind, infos in (("input", self.inputs), ("output", self.outputs)):
+            for info in infos:
+                axes = info.dynamic_axes
+                dyn = ", ".join(f"{a}={n}" for a, n in axes.items()) if axes else "static"
+                lines.append(f"  {kind:6s} {info}  dynamic axes: {dyn}")
+        return "\n".join(lines)
+
+
+def onnx_summary(model_or_path: Any) -> OnnxSummary:
+    """Summarise an ONNX file (or a loaded ``onnx.ModelProto``) without loading its weights.
+
+    Example::
+
+        s = onnx_summary("model.onnx")
+        s.num_custom_nodes, [str(i) for i in s.inputs]     # 4, ['x: float32[batch, seq, 64]']
+    """
+    onnx = _import_onnx()
+    path = None
+    if isinstance(model_or_path, (str, os.PathLike)):
+        path = pathlib.Path(model_or_path)
+        model = onnx.load(str(path), load_external_data=False)
+    else:
+        model = model_or_path
+    graph = model.graph
+    op_counts: dict[str, int] = {}
+    for node in graph.node:
+        key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        op_counts[key] = op_counts.get(key, 0) + 1
+    custom = tuple(n.name for n in graph.node if _is_mlp_value_node(n))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return OnnxSummary(
+        path=path, opset=opset, num_nodes=len(graph.node), op_counts=op_counts,
+        custom_nodes=custom, functions=tuple((f.domain, f.name) for f in model.functions),
+        inputs=tuple(_tensor_info(v, onnx) for v in graph.input),
+        outputs=tuple(_tensor_info(v, onnx) for v in graph.output),
+    )
+
+
+def _is_mlp_value_node(node: Any) -> bool:
+    return node.domain == MLP_VALUE_DOMAIN and node.op_type == MLP_VALUE_OP
+
+
+def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
+    ttype = value_info.type.tensor_type
+    dims: list[int | str | None] = []
+    for d in ttype.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name if ttype.elem_type else "?"
+    if ttype.elem_type == onnx.TensorProto.BFLOAT16:
+        dtype = "bfloat16"
+    return TensorInfo(value_info.name, dtype, tuple(dims))
+
+
+# --------------------------------------------------------------------------------------------
+# The custom node and its function body
+# --------------------------------------------------------------------------------------------
+
+def mlp_value_function(opset: int) -> Any:
+    """The ``kha::MLPValue`` FunctionProto: ``y = ((2 * (v @ w_up)) * sigmoid(v @ w_gate)) @ w_down``.
+
+    Written in the default-domain ``opset`` of the model that carries it (a function at another
+    opset than its model fails ``onnx.checker``). Type-generic: the 2 is cast like ``v @ w_up``.
+
+    Example::
+
+        model.functions.append(mlp_value_function(opset=20))
+    """
+    if opset < 15:
+        raise ExportError(
+            f"ONNX export, step 'function': the MLPValue function needs default-domain opset >= 15 "
+            f"(CastLike); the model imports opset {opset}.")
+    onnx = _import_onnx()
+    h = onnx.helper
+    nodes = [
+        h.make_node("MatMul", ["v", "w_up"], ["up"]),                 # (..., d)
+        h.make_node("MatMul", ["v", "w_gate"], ["gate"]),             # (..., d)
+        h.make_node("Sigmoid", ["gate"], ["gate_sig"]),
+        h.make_node("Constant", [], ["two_f32"], value_float=2.0),
+        h.make_node("CastLike", ["two_f32", "up"], ["two"]),
+        h.make_node("Mul", ["up", "two"], ["up2"]),
+        h.make_node("Mul", ["up2", "gate_sig"], ["hidden"]),
+        h.make_node("MatMul", ["hidden", "w_down"], ["y"]),           # (..., d)
+    ]
+    return h.make_function(
+        MLP_VALUE_DOMAIN, MLP_VALUE_OP, list(_MLP_VALUE_INPUTS), ["y"], nodes,
+        opset_imports=[h.make_opsetid("", opset)], attributes=list(_PLUGIN_ATTRIBUTES),
+        doc_string="KHA MLP-value transform over the last axis of v; weights are (d, d).")
+
+
+@contextlib.contextmanager
+def _mlp_value_schema() -> Iterator[None]:
+    """Register the ``kha::MLPValue`` OpSchema for the duration of an export.
+
+    onnxscript needs a schema to build a custom-domain node with attributes. It is removed again
+    afterwards (unless it was there before), so the saved file is checked against its function
+    body, as every other tool will see it.
+    """
+    onnx = _import_onnx()
+    from onnx.defs import OpSchema
+
+    if onnx.defs.has(MLP_VALUE_OP, MLP_VALUE_DOMAIN):
+        yield
+        return
+    params = [OpSchema.FormalParameter(name, "T") for name in _MLP_VALUE_INPUTS]
+    schema = OpSchema(
+        MLP_VALUE_OP, MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION,
+        doc="KHA MLP-value: y = 2 * ((v @ w_up) * sigmoid(v @ w_gate)) @ w_down",
+        inputs=params, outputs=[OpSchema.FormalParameter("y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)",
+                                 "tensor(double)"], "floating point tensors")],
+        attributes=[OpSchema.Attribute(a, OpSchema.AttrType.STRING, "TensorRT plugin lookup key")
+                    for a in _PLUGIN_ATTRIBUTES],
+    )
+    onnx.defs.register_schema(schema)
+    try:
+        yield
+    finally:
+        onnx.defs.deregister_schema(MLP_VALUE_OP, MLP_VALUE_DOMAIN_VERSION, MLP_VALUE_DOMAIN)
+
+
+def _translate_mlp_value(v, w_up, w_gate, w_down):
+    """custom_translation_table entry: ``kha::mlp_value`` -> one ``kha::MLPValue`` node."""
+    from onnxscript.values import Opset
+
+    kha = Opset(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
+    return kha.MLPValue(v, w_up, w_gate, w_down,
+                        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic shapes
+# --------------------------------------------------------------------------------------------
+
+def dynamic_axes_for(name: str, ndim: int) -> dict[int, str]:
+    """Which axes of an input named ``name`` with ``ndim`` dims are exported dynamic, and their names.
+
+    Tensors of 2 or 3 dims get a dynamic batch (0) and sequence (1); image-like inputs (a name with
+    "pixel", "image" or "video") and tensors of 4+ dims (images, 4-D masks) only a dynamic batch;
+    scalars and 1-D tensors none.
+
+    Example::
+
+        dynamic_axes_for("input_ids", 2)       # {0: 'batch', 1: 'seq'}
+        dynamic_axes_for("pixel_values", 4)    # {0: 'batch'}
+    """
+    if ndim < 2:
+        return {}
+    if ndim >= 4 or any(hint in name.lower() for hint in _IMAGE_HINTS):
+        return {0: _BATCH}
+    return {0: _BATCH, 1: _SEQ}
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """torch.export ``dynamic_shapes`` keyed by the forward's parameter names, Dim.AUTO per axis.
+
+    Dim.AUTO (not DYNAMIC): an axis the model pins (a size-1 example batch, a fixed-size buffer)
+    comes out fixed instead of failing the export; :func:`_name_dynamic_dims` warns about it.
+    """
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {axis: torch.export.Dim.AUTO for axis in dynamic_axes_for(name, value.dim())} or None
+        if isinstance(value, dict):
+            return {k: spec(str(k), v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(spec(name, v) for v in value)
+        return None
+
+    return {name: spec(name, value) for name, value in bound.arguments.items()}
+
+
+def _name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> None:
+    """Rename the exporter's symbols (``s77``) of dynamic input axes to ``batch`` / ``seq``.
+
+    Applied to every value of the graph, expressions such as ``s27 + 1`` included. An input axis
+    meant to be dynamic that the model pins to one size (a symbol whose range in
+    ``range_constraints`` is a single value, or a fixed dim) is written as that size, with a warning.
+    """
+    import onnx_ir as ir
+
+    fixed = {str(sym): int(vr.lower) for sym, vr in range_constraints.items()
+             if vr.lower == vr.upper and getattr(vr.lower, "is_integer", False)}
+    graph = ir_model.graph
+    mapping: dict[str, str | int] = {}
+    for value in graph.inputs:
+        if value.shape is None:
+            continue
+        for axis, wanted in dynamic_axes_for(value.name, len(value.shape)).items():
+            dim = value.shape[axis]
+            symbol = dim.value if isinstance(dim, ir.SymbolicDim) else None
+            if symbol is None or symbol in fixed:
+                size = fixed.get(symbol, dim)
+                log.warning("input %r axis %d (%s) is exported as the fixed size %s: the model "
+                            "allows no other", value.name, axis, wanted, size)
+                if symbol is not None:
+                    mapping[symbol] = size
+                continue
+            if symbol not in mapping:
+                taken = wanted in mapping.values()
+                mapping[symbol] = f"{value.name}_{wanted}" if taken else wanted
+    if not mapping:
+        return
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
+
+    def rename(d: Any) -> Any:
+        if not isinstance(d, ir.SymbolicDim) or d.value is None:
+            return d
+        if isinstance(mapping.get(d.value), int):
+            return mapping[d.value]
+        return ir.SymbolicDim(pattern.sub(lambda m: str(mapping[m.group(1)]), d.value))
+
+    values = list(graph.inputs) + list(graph.outputs)
+    values += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
+    for value in values:
+        if value.shape is not None:
+            value.shape = ir.Shape([rename(d) for d in value.shape])
+
+
+# --------------------------------------------------------------------------------------------
+# export_onnx
+# --------------------------------------------------------------------------------------------
+
+def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (),
+                example_kwargs: dict[str, Any] | None = None, dynamic: bool = True,
+                fold: bool = True) -> pathlib.Path:
+    """Export ``model`` to ONNX at ``path``: each MLP-value call is one ``kha::MLPValue`` node.
+
+    With ``fold`` (default) a deep copy of a model with KHA gets its linear KHA folded into the
+    weights first (``kc.fold(copy, strict=False)``); the caller's model is never modified (the copy
+    needs as much memory again). With ``dynamic``
+    (default) the batch and sequence axes of the inputs are dynamic (named ``batch`` and ``seq``;
+    only the batch for images), see :func:`dynamic_axes_for`. Example inputs are optional for a
+    transformers model. The file holds the ``kha::MLPValue`` function body, so onnxruntime runs it
+    directly. Weights stay inside the file unless they pass torch.onnx's large-model threshold
+    (1.5 GB; a protobuf file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it.
+    Returns the path written.
+
+    Raises :class:`~kha_compile.errors.ExportError` naming the step that failed (export,
+    translation, function, save, check) with the exporter's own reason.
+
+    Example::
+
+        path = kc.export_onnx(model, "model.onnx", example_args=(x,))
+        onnxruntime.InferenceSession(str(path)).run(None, {"x": x.numpy()})
+    """
+    path = _check_destination(path)
+    _import_onnx()
+    if not isinstance(model, nn.Module):
+        raise ExportError(f"export_onnx takes an nn.Module; got {type(model).__name__}.")
+    from ..passes.inputs import example_inputs
+
+    args, kwargs = example_inputs(model, example_args, example_kwargs)
+    kwargs = _without_kv_cache(model, args, kwargs)
+    if fold and any("kha" in name for name, _ in model.named_parameters()):
+        model = copy.deepcopy(model)        # nothing to fold without KHA: no copy then
+        _fold_copy(model)
+    was_training = model.training
+    model.eval()
+    try:
+        program = _run_exporter(model, args, kwargs, dynamic)
+    finally:
+        model.train(was_training)
+
+    ir_model = program.model
+    num_custom = sum(1 for node in ir_model.graph if node.domain == MLP_VALUE_DOMAIN
+                     and node.op_type == MLP_VALUE_OP)
+    if num_custom:
+        _add_mlp_value_function(ir_model)
+    if dynamic:
+        exported = getattr(program, "exported_program", None)
+        _name_dynamic_dims(ir_model, exported.range_constraints if exported is not None else {})
+
+    try:
+        program.save(path)          # external data only for models near protobuf's 2 GB limit
+    except Exception as e:
+        raise ExportError(f"ONNX export of {type(model).__name__}, step 'save': could not write "
+                          f"{str(path)!r}: {type(e).__name__}: {e}") from e
+    try:
+        import onnx
+
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise ExportError(f"ONNX export of {type(model).__name__}, step 'check': onnx.checker "
+                          f"rejects {str(path)!r}: {type(e).__name__}: {e}") from e
+
+    summary = onnx_summary(path)
+    log.info("%s", summary)
+    if summary.num_custom_nodes != num_custom:  # the optimizer must keep every MLP-value node
+        raise ExportError(f"ONNX export of {type(model).__name__}, step 'check': {num_custom} "
+                          f"MLPValue nodes were translated but {summary.num_custom_nodes} are in "
+                          f"{str(path)!r}.")
+    return path
+
+
+def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` plus ``use_cache=False`` where the forward takes it and the call does not set it.
+
+    A transformers KV cache in the outputs is not an ONNX output (and not a pytree type
+    torch.export knows).
+    """
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs, use_cache=False)
+    except (TypeError, ValueError):       # no such parameter, or args already cover it
+        return kwargs
+    if "use_cache" not in inspect.signature(model.forward).parameters:
+        return kwargs                     # it would only land in **kwargs
+    log.info("exporting %s with use_cache=False", type(model).__name__)
+    return {**kwargs, "use_cache": False}
+
+
+def _check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> pathlib.Path:
+    """``path`` as a Path, after checking that a file can be written there (ExportError if not)."""
+    path = pathlib.Path(path).expanduser()
+    parent = path.parent.resolve()
+    if path.is_dir():
+        raise ExportError(f"cannot write {what} to {str(path)!r}: it is a directory; give a file "
+                          f"path inside it.")
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} "
+                          f"does not exist; create it first.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} "
+                          f"is not writable.")
+    return path
+
+
+def _fold_copy(model: nn.Module) -> None:
+    """Fold the linear KHA of ``model`` (a copy) in place, where the fold pass exists."""
+    try:
+        from ..passes.fold import fold as fold_pass
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__.rsplit('.', 1)[0]}.passes.fold":
+            raise
+        log.info("kha_compile.passes.fold is not available: exporting without folding")
+        return
+    fold_pass(model, strict=False)
+    log.info("folded the linear KHA of a copy of %s before export", type(model).__name__)
+
+
+def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> Any:
+    """torch.onnx.export (dynamo) with the MLP-value translation; ExportError names the step."""
+    name = type(model).__name__
+    try:
+        dynamic_shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
+    except TypeError as e:
+        raise ExportError(f"ONNX export of {name}, step 'export': the example inputs do not fit "
+                          f"{name}.forward: {e}") from e
+    try:
+        with _mlp_value_schema():
+            return torch.onnx.export(
+                model, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes,
+                custom_translation_table={torch.ops.kha.mlp_value.default: _translate_mlp_value},
+                optimize=True, verbose=False)
+    except Exception as e:
+        # torch.onnx: TorchExportError = torch.export failed (step 1); ConversionError = the
+        # translation to ONNX failed (step 3); anything else is the exporter's own.
+        kind = type(e).__name__
+        step = {"TorchExportError": "export", "ConversionError": "translation"}.get(kind, "export")
+        raise ExportError(f"ONNX export of {name}, step '{step}' failed: {_root_reason(e)}") from e
+
+
+def _root_reason(error: BaseException, max_chars: int = 2000) -> str:
+    """The innermost cause of an exporter error, as 'Type: message' (the exporter's reason)."""
+    root = error
+    seen = {id(root)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    text = f"{type(root).__name__}: {root}".strip()
+    if root is not error:
+        text += f" (from {type(error).__name__})"
+    return text if len(text) <= max_chars else text[:max_chars] + " ..."
+
+
+def _add_mlp_value_function(ir_model: Any) -> None:
+    """Append the ``kha::MLPValue`` function (at the model's default opset) and its opset import."""
+    import onnx_ir as ir
+
+    opset = ir_model.opset_imports.get("", ir_model.opset_imports.get("ai.onnx"))
+    if opset is None:
+        raise ExportError("ONNX export, step 'function': the model imports no default-domain opset.")
+    proto = mlp_value_function(opset)
+    try:
+        function = ir.serde.deserialize_function(proto)
+        ir_model.functions[function.identifier()] = function
+        ir_model.opset_imports.setdefault(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
+    except Exception as e:
+        raise ExportError(f"ONNX export, step 'function': could not add the {MLP_VALUE_DOMAIN}::"
+                          f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}") from e
+
+
+def _import_onnx() -> Any:
+    try:
+        import onnx
+        import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter needs it)
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"ONNX export needs the onnx and onnxscript packages ({e}); install them with "
+            f"`pip install onnx onnxscript` (or `pip install kha-compile[onnx]`).") from e
+    return onnx

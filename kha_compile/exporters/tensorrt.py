@@ -1,0 +1,547 @@
+"""TensorRT export: an engine from the ONNX file, with the ``kha::MLPValue`` node as a plugin.
+
+The plugin is written against TensorRT's Python plugin API ``tensorrt.plugin`` (TensorRT >= 10.7,
+"quickly deployable plugins"): ``register`` gives the output shape and type, ``autotune`` the
+supported types, ``impl`` the computation (the Triton kernel of :mod:`kha_compile.kernels` where it
+takes the head size and type, else the op's torch reference), run just in time by TensorRT.
+TensorRT's ONNX parser maps a node to a plugin by its ``op_type`` (``MLPValue``) and its
+``plugin_namespace`` / ``plugin_version`` attributes (``kha`` / ``1``), which
+:func:`kha_compile.export_onnx` writes. A JIT plugin runs in Python: a process that loads such an
+engine calls :func:`register_mlp_value_plugin` first (:func:`run_engine` does).
+
+Everything here that needs no GPU (the plugin's shape and type rules, the optimization profile, the
+precision plan) is a plain function; ``tensorrt`` is imported only by the functions that need it.
+
+Note: this module avoids ``from __future__ import annotations``: ``tensorrt.plugin.register`` reads
+the annotations of the descriptor function as real classes.
+"""
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..errors import BackendUnavailableError, ExportError, KHAError, OpInputError
+from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
+
+__all__ = [
+    "PRECISIONS", "DEFAULT_DIM_RANGES", "BuildPlan", "mlp_value_output_shape",
+    "mlp_value_output_dtype", "profile_shapes", "build_plan", "onnx_float_dtype",
+    "register_mlp_value_plugin", "export_tensorrt", "run_engine",
+]
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# (min, opt, max) of the dynamic dims that export_onnx names; "x_batch" / "x_seq" match too.
+DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "seq": (1, 128, 1024)}
+_PLUGIN_DTYPES = ("float32", "float16", "bfloat16")
+_INSTALL_HINT = (
+    "Install TensorRT (>= 10.7, for tensorrt.plugin) on a Linux machine with an NVIDIA GPU and "
+    "CUDA 12: `pip install tensorrt` or `pip install tensorrt-cu12 --extra-index-url "
+    "https://pypi.nvidia.com` (the packages on the public index fetch the real wheel from NVIDIA's "
+    "index, which must be reachable), together with a CUDA build of PyTorch. The ONNX file from "
+    "kc.export_onnx runs anywhere with onnxruntime.")
+
+
+# --------------------------------------------------------------------------------------------
+# The plugin's shape and type rules (plain functions)
+# --------------------------------------------------------------------------------------------
+
+def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tuple[int | None, ...]:
+    """Output shape of ``kha::MLPValue`` from its four input shapes: that of ``v``.
+
+    ``v`` is (..., d) and each weight (d, d). A dim may be ``None`` (not known at build time);
+    known dims must agree. Raises :class:`~kha_compile.errors.OpInputError` otherwise.
+
+    Example::
+
+        mlp_value_output_shape([(2, 4, None, 64), (64, 64), (64, 64), (64, 64)])   # (2, 4, None, 64)
+    """
+    if len(input_shapes) != 4:
+        raise OpInputError(f"kha::MLPValue takes 4 inputs (v, w_up, w_gate, w_down); got "
+                           f"{len(input_shapes)}.")
+    v, *weights = (tuple(s) for s in input_shapes)
+    if len(v) < 1:
+        raise OpInputError("kha::MLPValue: v must have at least one dimension (..., d); got a scalar.")
+    d = v[-1]
+    for name, w in zip(("w_up", "w_gate", "w_down"), weights):
+        if len(w) != 2:
+            raise OpInputError(f"kha::MLPValue: {name} must be a (d, d) matrix; got shape {w}.")
+        known = [x for x in (d, *w) if x is not None]
+        if any(x != known[0] for x in known):
+            raise OpInputError(f"kha::MLPValue: {name} has shape {w} but v has shape {v}; each "
+                               f"weight must be ({d}, {d}) to match v's last dimension.")
+    return v
+
+
+def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
+    """Output type of ``kha::MLPValue`` from its four input types ("float32", "float16", "bfloat16").
+
+    All four must be the same floating type. Raises :class:`~kha_compile.errors.OpInputError`.
+
+    Example::
+
+        mlp_value_output_dtype(["float16"] * 4)    # 'float16'
+    """
+    if len(dtypes) != 4:
+        raise OpInputError(f"kha::MLPValue takes 4 inputs; got {len(dtypes)} types.")
+    if dtypes[0] not in _PLUGIN_DTYPES:
+        raise OpInputError(f"kha::MLPValue supports {', '.join(_PLUGIN_DTYPES)}; v is {dtypes[0]}.")
+    if any(t != dtypes[0] for t in dtypes):
+        raise OpInputError(f"kha::MLPValue: all inputs must share one type; got {list(dtypes)}.")
+    return dtypes[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimization profile and precision (plain functions)
+# --------------------------------------------------------------------------------------------
+
+Shape = tuple[int, ...]
+
+
+def profile_shapes(inputs: Sequence[TensorInfo],
+                   profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
+                   dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
+                   ) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """(min, opt, max) shape of every input, for one TensorRT optimization profile.
+
+    An input named in ``profile`` takes its shapes from there. Every other input keeps its fixed
+    dims, and each dynamic dim takes (min, opt, max) from ``dim_ranges`` by its name (``batch``,
+    ``seq``; a name ending in ``_batch`` / ``_seq`` counts as that), over
+    :data:`DEFAULT_DIM_RANGES`. Raises :class:`~kha_compile.errors.ExportError` for a dynamic dim
+    without a range, or shapes that do not fit the input.
+
+    Example::
+
+        profile_shapes(onnx_summary("m.onnx").inputs, dim_ranges={"seq": (1, 256, 2048)})
+        # {'x': ((1, 1, 64), (1, 256, 64), (8, 2048, 64))}
+    """
+    ranges = {**DEFAULT_DIM_RANGES, **(dim_ranges or {})}
+    profile = dict(profile or {})
+    unknown = sorted(set(profile) - {i.name for i in inputs})
+    if unknown:
+        raise ExportError(f"TensorRT profile names inputs the ONNX model does not have: {unknown}; "
+                          f"its inputs are {[i.name for i in inputs]}.")
+    shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for info in inputs:
+        if info.name in profile:
+            lo, opt, hi = (tuple(int(x) for x in s) for s in profile[info.name])
+        else:
+            lo, opt, hi = [], [], []
+            for axis, dim in enumerate(info.dims):
+                if isinstance(dim, int):
+                    r = (dim, dim, dim)
+                else:
+                    r = _dim_range(dim, ranges)
+                    if r is None:
+                        raise ExportError(
+                            f"TensorRT profile: input {info.name!r} axis {axis} is dynamic "
+                            f"({dim or 'unnamed'}) and has no range; pass dim_ranges="
+                            f"{{{dim or 'name'!r}: (min, opt, max)}} or a profile for "
+                            f"{info.name!r}.")
+                for lst, x in zip((lo, opt, hi), r):
+                    lst.append(int(x))
+            lo, opt, hi = tuple(lo), tuple(opt), tuple(hi)
+        _check_profile_entry(info, lo, opt, hi)
+        shapes[info.name] = (lo, opt, hi)
+    return shapes
+
+
+def _dim_range(name: str | None, ranges: Mapping[str, tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    if not name:
+        return None
+    if name in ranges:
+        return tuple(ranges[name])
+    for key in ranges:
+        if name.endswith(f"_{key}"):
+            return tuple(ranges[key])
+    return None
+
+
+def _check_profile_entry(info: TensorInfo, lo: Shape, opt: Shape, hi: Shape) -> None:
+    where = f"TensorRT profile for input {info.name!r} (dims {list(info.dims)})"
+    if not len(lo) == len(opt) == len(hi) == len(info.dims):
+        raise ExportError(f"{where}: min {lo}, opt {opt}, max {hi} must each have "
+                          f"{len(info.dims)} dims.")
+    for axis, dim in enumerate(info.dims):
+        if not 0 <= lo[axis] <= opt[axis] <= hi[axis]:
+            raise ExportError(f"{where}: axis {axis} needs 0 <= min <= opt <= max; got "
+                              f"{lo[axis]}, {opt[axis]}, {hi[axis]}.")
+        if isinstance(dim, int) and not lo[axis] == opt[axis] == hi[axis] == dim:
+            raise ExportError(f"{where}: axis {axis} is fixed at {dim}; got {lo[axis]}, "
+                              f"{opt[axis]}, {hi[axis]}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """How to build for a precision: a strongly typed network, or a weakly typed one + a flag."""
+
+    strongly_typed: bool
+    builder_flag: str | None      # "FP16" / "BF16" for a weakly typed build (TensorRT 10 only)
+    allow_tf32: bool
+
+
+def build_plan(precision: str, onnx_dtype: str | None, weak_typing_available: bool) -> BuildPlan:
+    """Decide how TensorRT builds ``precision`` from an ONNX file whose floats are ``onnx_dtype``.
+
+    The ONNX types decide a strongly typed build (the only kind TensorRT 11 has): an fp16 file
+    builds fp16, an fp32 file fp32 (TF32 off, so fp32 means fp32). fp16/bf16 from an fp32 file
+    uses TensorRT 10's weak typing (``BuilderFlag.FP16`` / ``BF16``) where it exists; elsewhere
+    the model must be exported in that type. Raises :class:`~kha_compile.errors.ExportError`.
+
+    Example::
+
+        build_plan("fp16", "float32", weak_typing_available=True)
+        # BuildPlan(strongly_typed=False, builder_flag='FP16', allow_tf32=True)
+    """
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}.")
+    want = PRECISIONS[precision]
+    if onnx_dtype is None or onnx_dtype == want:
+        return BuildPlan(strongly_typed=True, builder_flag=None, allow_tf32=precision != "fp32")
+    if onnx_dtype == "float32" and precision in ("fp16", "bf16"):
+        if weak_typing_available:
+            return BuildPlan(strongly_typed=False, builder_flag=precision.upper(), allow_tf32=True)
+        raise ExportError(
+            f"precision={precision!r} from a float32 ONNX file needs TensorRT's weak typing, which "
+            f"this TensorRT no longer has (TensorRT 11 builds strongly typed networks only): export "
+            f"the model in {want} (model.to(torch.{want}) before kc.export_onnx), or convert the "
+            f"file with NVIDIA ModelOpt AutoCast, then build again.")
+    raise ExportError(f"precision={precision!r} does not fit an ONNX file in {onnx_dtype}: export "
+                      f"the model in {want}, or pass precision="
+                      f"{next(k for k, v in PRECISIONS.items() if v == onnx_dtype)!r}.")
+
+
+def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
+    """The floating type an ONNX file computes in: that of its float inputs, else of its weights.
+
+    Example::
+
+        onnx_float_dtype("model.onnx")     # 'float32'
+    """
+    summary = onnx_summary(onnx_path)
+    for info in summary.inputs:
+        if info.dtype in _PLUGIN_DTYPES:
+            return info.dtype
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+             onnx.TensorProto.BFLOAT16: "bfloat16"}
+    for init in model.graph.initializer:
+        if init.data_type in names:
+            return names[init.data_type]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Backend check, plugin registration
+# --------------------------------------------------------------------------------------------
+
+def _import_tensorrt() -> Any:
+    """``tensorrt`` (with ``tensorrt.plugin``), after checking for it and for an NVIDIA GPU."""
+    missing = []
+    trt = None
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin  # noqa: F401  (TensorRT >= 10.7)
+    except ImportError as e:
+        found = f" (found tensorrt {trt.__version__}, which has no tensorrt.plugin)" if trt else ""
+        missing.append(f"the `tensorrt` Python package, version >= 10.7{found} ({e})")
+        trt = None
+    if not torch.cuda.is_available():
+        missing.append(f"an NVIDIA GPU visible to PyTorch (torch {torch.__version__}, CUDA build: "
+                       f"{torch.version.cuda or 'none'}; torch.cuda.is_available() is False)")
+    if missing:
+        raise BackendUnavailableError(
+            "TensorRT export and inference need " + " and ".join(missing) + ", which this machine "
+            "lacks. " + _INSTALL_HINT)
+    return trt
+
+
+_PLUGIN_REGISTERED = False
+
+
+def register_mlp_value_plugin() -> None:
+    """Register the ``kha::MLPValue`` TensorRT plugin (``tensorrt.plugin``) in this process; idempotent.
+
+    Needed before parsing an ONNX file with MLP-value nodes and before loading an engine built
+    with them. Without it, TensorRT's parser falls back to the node's ONNX function body.
+
+    Example::
+
+        register_mlp_value_plugin()
+        engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
+    """
+    global _PLUGIN_REGISTERED
+    if _PLUGIN_REGISTERED:
+        return
+    trt = _import_tensorrt()
+    import tensorrt.plugin as trtp
+
+    dtype_names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16",
+                   trt.DataType.BF16: "bfloat16"}
+    kernel = _mlp_value_kernel()
+
+    def known_dims(desc: Any) -> tuple[int | None, ...]:
+        dims = []
+        for expr in desc.shape_expr:
+            dims.append(expr.constant_value() if not expr.is_fake and expr.is_constant else None)
+        return tuple(dims)
+
+    @trtp.register(PLUGIN_ID)
+    def mlp_value_desc(v: trtp.TensorDesc, w_up: trtp.TensorDesc, w_gate: trtp.TensorDesc,
+                       w_down: trtp.TensorDesc) -> trtp.TensorDesc:
+        descs = (v, w_up, w_gate, w_down)
+        mlp_value_output_shape([known_dims(t) for t in descs])
+        mlp_value_output_dtype([dtype_names.get(t.dtype, str(t.dtype)) for t in descs])
+        return v.like()                                     # (..., d), v's type
+
+    @trtp.autotune(PLUGIN_ID)
+    def mlp_value_autotune(v, w_up, w_gate, w_down, outputs):
+        types = "FP32|FP16|BF16"                            # all five I/O share one type
+        return [trtp.AutoTuneCombination(", ".join([types] * 5), "LINEAR")]
+
+    @trtp.impl(PLUGIN_ID)
+    def mlp_value_impl(v, w_up, w_gate, w_down, outputs, stream) -> None:
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            tv = torch.as_tensor(v, device="cuda")          # (..., d)
+            weights = [torch.as_tensor(w, device="cuda") for w in (w_up, w_gate, w_down)]
+            out = torch.as_tensor(outputs[0], device="cuda")
+            d = tv.shape[-1]
+            y = kernel(tv.reshape(-1, d), *weights)          # (M, d)
+            out.copy_(y.reshape(out.shape))
+
+    _PLUGIN_REGISTERED = True
+    log.info("registered TensorRT plugin %s (JIT, kernel %s)", PLUGIN_ID, kernel.__name__)
+
+
+def _mlp_value_kernel() -> Callable:
+    """``kernel(v, w_up, w_gate, w_down)`` for v (M, d): the Triton forward where it takes (d, dtype)."""
+    from ..ops.mlp_value import mlp_value_reference
+
+    try:
+        from ..kernels import mlp_value_triton_forward, triton_available, triton_supports
+    except ImportError:
+        triton_available = None
+    if triton_available is None or not triton_available():
+        log.info("the Triton MLP-value kernel is not available: the TensorRT plugin computes "
+                 "MLP-value with torch")
+        return mlp_value_reference
+
+    def mlp_value_kernel(v, w_up, w_gate, w_down):
+        if triton_supports(v.shape[-1], v.dtype):
+            return mlp_value_triton_forward(v, w_up, w_gate, w_down)
+        return mlp_value_reference(v, w_up, w_gate, w_down)
+
+    return mlp_value_kernel
+
+
+def _trt_logger(trt: Any) -> Any:
+    """A ``trt.ILogger`` that forwards TensorRT's messages to this module's logger."""
+    levels = {trt.ILogger.Severity.INTERNAL_ERROR: logging.ERROR,
+              trt.ILogger.Severity.ERROR: logging.ERROR,
+              trt.ILogger.Severity.WARNING: logging.WARNING,
+              trt.ILogger.Severity.INFO: logging.DEBUG,
+              trt.ILogger.Severity.VERBOSE: logging.DEBUG}
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: Any, msg: str) -> None:
+            log.log(levels.get(severity, logging.INFO), "TensorRT: %s", msg)
+
+    return _Logger()
+
+
+def _progress_monitor(trt: Any) -> Any | None:
+    """A ``trt.IProgressMonitor`` that logs the build phases (None where TensorRT has none)."""
+    if not hasattr(trt, "IProgressMonitor"):
+        return None
+
+    class _Progress(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self._start: dict[str, float] = {}
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            self._start[phase_name] = time.perf_counter()
+            log.debug("TensorRT build: %s (%d steps)", phase_name, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return True                                     # False would cancel the build
+
+        def phase_finish(self, phase_name: str) -> None:
+            took = time.perf_counter() - self._start.pop(phase_name, time.perf_counter())
+            log.info("TensorRT build: %s done in %.1f s", phase_name, took)
+
+    return _Progress()
+
+
+# --------------------------------------------------------------------------------------------
+# export_tensorrt, run_engine
+# --------------------------------------------------------------------------------------------
+
+def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *,
+                    precision: str = "fp16", workspace_gb: float = 4.0,
+                    profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
+                    min_shapes: Mapping[str, Sequence[int]] | None = None,
+                    opt_shapes: Mapping[str, Sequence[int]] | None = None,
+                    max_shapes: Mapping[str, Sequence[int]] | None = None,
+                    dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
+                    ) -> pathlib.Path:
+    """Build a TensorRT engine from an ONNX file of :func:`kc.export_onnx`; MLP-value runs as a plugin.
+
+    ``precision``: "fp16" (default), "bf16" or "fp32" (see :func:`build_plan`). The optimization
+    profile covers the dynamic dims: per input from ``profile`` ({name: (min, opt, max)}) or
+    ``min_shapes`` / ``opt_shapes`` / ``max_shapes``, else per dim name from ``dim_ranges`` over
+    :data:`DEFAULT_DIM_RANGES` (see :func:`profile_shapes`). ``workspace_gb`` caps the builder's
+    scratch memory. Needs ``tensorrt`` (>= 10.7) and an NVIDIA GPU, else raises
+    :class:`~kha_compile.errors.BackendUnavailableError`; a failed step (profile, parse, build,
+    save) raises :class:`~kha_compile.errors.ExportError`. Returns ``engine_path``.
+
+    Example::
+
+        onnx_path = kc.export_onnx(model, "model.onnx", example_args=(x,))
+        kc.export_tensorrt(onnx_path, "model.engine", precision="fp16",
+                           dim_ranges={"seq": (1, 512, 4096)})
+    """
+    onnx_path = pathlib.Path(onnx_path).expanduser()
+    if not onnx_path.is_file():
+        raise ExportError(f"TensorRT export: the ONNX file {str(onnx_path)!r} does not exist; "
+                          f"write it with kc.export_onnx first.")
+    engine_path = _check_destination(engine_path, what="the TensorRT engine")
+    summary = onnx_summary(onnx_path)
+    shapes = profile_shapes(summary.inputs, _merge_profile(profile, min_shapes, opt_shapes, max_shapes),
+                            dim_ranges)
+    trt = _import_tensorrt()
+    plan = build_plan(precision, onnx_float_dtype(onnx_path), hasattr(trt.BuilderFlag, "FP16"))
+    register_mlp_value_plugin()
+
+    logger = _trt_logger(trt)
+    builder = trt.Builder(logger)
+    flags = 0
+    if plan.strongly_typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    t0 = time.perf_counter()
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ExportError(f"TensorRT export, step 'parse': TensorRT's ONNX parser rejects "
+                          f"{str(onnx_path)!r}: {errors or 'no reason given'}")
+    num_plugins = _count_plugin_layers(trt, network)
+    log.info("parsed %s in %.1f s: %d layers, %d of %d MLPValue nodes as %s plugins",
+             onnx_path.name, time.perf_counter() - t0, network.num_layers, num_plugins,
+             summary.num_custom_nodes, PLUGIN_ID)
+    if num_plugins < summary.num_custom_nodes:
+        log.warning("%d MLPValue nodes were imported through their ONNX function instead of the "
+                    "plugin", summary.num_custom_nodes - num_plugins)
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
+    if plan.builder_flag:
+        config.set_flag(getattr(trt.BuilderFlag, plan.builder_flag))
+    if not plan.allow_tf32 and hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)
+    monitor = _progress_monitor(trt)
+    if monitor is not None:
+        config.progress_monitor = monitor
+    trt_profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name in shapes:
+            trt_profile.set_shape(name, *shapes[name])
+    config.add_optimization_profile(trt_profile)
+
+    log.info("building the TensorRT engine (%s, %s typed, profile %s)", precision,
+             "strongly" if plan.strongly_typed else "weakly", shapes)
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise ExportError(f"TensorRT export, step 'build': TensorRT could not build an engine from "
+                          f"{str(onnx_path)!r} (its log above, at WARNING/ERROR, says why).")
+    try:
+        engine_path.write_bytes(bytes(serialized))
+    except OSError as e:
+        raise ExportError(f"TensorRT export, step 'save': could not write {str(engine_path)!r}: "
+                          f"{e}") from e
+    log.info("wrote %s (%.1f MB) in %.1f s", engine_path, engine_path.stat().st_size / 1e6,
+             time.perf_counter() - t0)
+    return engine_path
+
+
+def _merge_profile(profile, min_shapes, opt_shapes, max_shapes):
+    """One {name: (min, opt, max)} from ``profile`` and the three per-shape dicts."""
+    merged = dict(profile or {})
+    names = set(min_shapes or {}) | set(opt_shapes or {}) | set(max_shapes or {})
+    for name in sorted(names):
+        parts = [(d or {}).get(name) for d in (min_shapes, opt_shapes, max_shapes)]
+        if any(p is None for p in parts):
+            raise ExportError(f"TensorRT profile for input {name!r}: give all of min_shapes, "
+                              f"opt_shapes and max_shapes for it, or none.")
+        if name in merged:
+            raise ExportError(f"TensorRT profile for input {name!r} is given twice (profile and "
+                              f"min/opt/max_shapes).")
+        merged[name] = tuple(parts)
+    return merged
+
+
+def _count_plugin_layers(trt: Any, network: Any) -> int:
+    kind = getattr(trt.LayerType, "PLUGIN_V3", None)
+    return sum(1 for i in range(network.num_layers) if network.get_layer(i).type == kind)
+
+
+def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Run a TensorRT engine once on ``inputs`` ({name: tensor or array}); returns CPU outputs.
+
+    Inputs are cast to the engine's input types and moved to the GPU; the MLP-value plugin is
+    registered first. Needs ``tensorrt`` and an NVIDIA GPU.
+
+    Example::
+
+        out = run_engine("model.engine", {"x": torch.randn(2, 16, 64)})
+    """
+    trt = _import_tensorrt()
+    register_mlp_value_plugin()
+    engine_path = pathlib.Path(engine_path)
+    runtime = trt.Runtime(_trt_logger(trt))
+    engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+    if engine is None:
+        raise KHAError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
+                       f"TensorRT version or GPU?).")
+    dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+              trt.DataType.BF16: torch.bfloat16, trt.DataType.INT32: torch.int32,
+              trt.DataType.INT64: torch.int64, trt.DataType.BOOL: torch.bool,
+              trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    in_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+    missing = sorted(set(in_names) - set(inputs))
+    if missing:
+        raise KHAError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
+    context = engine.create_execution_context()
+    keep: dict[str, torch.Tensor] = {}
+    for name in in_names:
+        t = torch.as_tensor(inputs[name]).to("cuda", dtype=dtypes[engine.get_tensor_dtype(name)])
+        keep[name] = t.contiguous()
+        context.set_input_shape(name, tuple(t.shape))
+        context.set_tensor_address(name, keep[name].data_ptr())
+    outputs: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name in keep:
+            continue
+        shape = tuple(context.get_tensor_shape(name))
+        outputs[name] = torch.empty(shape, dtype=dtypes[engine.get_tensor_dtype(name)], device="cuda")
+        context.set_tensor_address(name, outputs[name].data_ptr())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())         # the copies above ran there
+    with torch.cuda.stream(stream):
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise KHAError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
+    stream.synchronize()
+    return {name: t.cpu() for name, t in outputs.items()}
