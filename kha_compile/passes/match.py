@@ -113,9 +113,9 @@ class _Graph:
         self.scope: dict[str, list[Node]] = {}
         for n in self.graph.nodes:
             if n.op == "call_function" and n.target is not aten._assert_tensor_metadata.default:
-                for path, _ in (n.meta.get("nn_module_stack") or {}).values():
-                    if path:  # every enclosing module, so a module's scope includes its children's
-                        self.scope.setdefault(path, []).append(n)
+                for key, (path, _) in (n.meta.get("nn_module_stack") or {}).items():
+                    if path:  # every enclosing module call, so a call's scope includes its children's
+                        self.scope.setdefault(key, []).append(n)
         # In-place writes (``buf = x.new_empty(...); buf[..., :n] = piece``): the data of ``buf``
         # comes from ``piece``; ops like new_empty read only the metadata of their input.
         self.writes: dict[Node, list[Node]] = {}
@@ -202,10 +202,11 @@ class _Graph:
         own transforms; any other input (an attention op in the same module) means the weight is
         used functionally inside a bigger module.
         """
-        if not module_path or _module_path(node) != module_path:
+        stack = node.meta.get("nn_module_stack") or {}
+        if not module_path or not stack or _module_path(node) != module_path:
             return False
         own = {node}
-        for n in self.scope.get(module_path, ()):
+        for n in self.scope.get(list(stack)[-1], ()):  # this call of the module (shared layers run it often)
             if self.order[n] <= self.order[node]:
                 if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \
                         and not self._feeds_weight(n, node):
@@ -334,7 +335,7 @@ def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Proje
     for i, node in enumerate(chain):
         if i > 0:
             prev = chain[i - 1]
-            direct = prev in node.all_input_nodes and node.target not in _ALLOC_OPS
+            direct = bool(node.args) and node.args[0] is prev and node.target not in _ALLOC_OPS
             try:
                 if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
                     idx = push_layout(idx, node, prev, g.constants)
@@ -369,8 +370,9 @@ def _strip_identity(node: Node) -> Node:
     return node
 
 
-def _latent_input(g: _Graph, proj: Projection, depth: int = 16) -> bool:
-    """True when the projection reads a low-rank latent: another projection's output through a norm."""
+def _latent_input(g: _Graph, proj: Projection, scope: str, depth: int = 16) -> bool:
+    """True when the projection reads a low-rank latent: another projection of the same attention
+    module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
     frontier = [proj.input_node]
     seen = set()
     for _ in range(depth):
@@ -379,8 +381,9 @@ def _latent_input(g: _Graph, proj: Projection, depth: int = 16) -> bool:
             if n in seen or n.op != "call_function":
                 continue
             seen.add(n)
-            if g.as_projection(n) is not None:
-                return True
+            other = g.as_projection(n)
+            if other is not None:
+                return bool(scope) and other.module_path.startswith(scope + ".")
             if n.target in (aten.add.Tensor, aten.sub.Tensor) and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2:
                 continue  # a residual add: the input is the model's hidden stream, not a latent
             if n.target is aten.embedding.default:
@@ -461,6 +464,9 @@ def find_sites(exported) -> list[RawSite]:
     sites = []
     for node, rule, roles, dims, reason in _anchors(g):
         name = _module_path(node) or node.name
+        key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
+        if "@" in key:  # a module called more than once (shared layers): one site per call
+            name += "@" + key.rpartition("@")[2]
         site = RawSite(name, rule, node, {}, reason)
         if reason:
             sites.append(site)
@@ -491,7 +497,7 @@ def find_sites(exported) -> list[RawSite]:
             site.reason = "; ".join(problems)
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
-            site.mla = k.shared_piece or v.shared_piece or _latent_input(g, k.projection) or _latent_input(g, v.projection)
+            site.mla = k.shared_piece or v.shared_piece or _latent_input(g, k.projection, name) or _latent_input(g, v.projection, name)
             site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(k.projection.input_node)
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)

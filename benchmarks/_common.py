@@ -1,0 +1,36 @@
+"""Shared helpers of the benchmark scripts: timing side by side and the JSON record."""
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each function, run in turns (a, b, a, b, ...) so drift hits all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def machine() -> dict[str, object]:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+
+
+def write_json(path: str | None, record: dict) -> None:
+    if path:
+        record = {"machine": machine(), **record}
+        pathlib.Path(path).write_text(json.dumps(record, indent=2))
