@@ -13,29 +13,9 @@ from kha_compile.errors import (AlreadyAppliedError, CheckpointError, KHAConfigE
 from kha_compile.modules import KHAProjection, KHAMultiheadAttention
 
 import zoo
+from helpers import kha_params, perturb, run
 
 CONFIGS = {"mlp": kc.KHAConfig(v="mlp"), "linear": kc.KHAConfig(q="linear", k="linear", v="linear")}
-
-
-def main_output(out):
-    """The tensor a model's forward is about: logits, last hidden state, or the output itself."""
-    if isinstance(out, dict) and "sentence_embedding" in out:
-        return out["sentence_embedding"]
-    for attr in ("logits", "last_hidden_state"):
-        if hasattr(out, attr):
-            return getattr(out, attr)
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
-def run(case: zoo.ZooCase) -> torch.Tensor:
-    # grad stays on: nn.TransformerEncoderLayer's fused no-grad fast path rounds differently
-    return main_output(case())
-
-
-def kha_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if ".kha." in f".{n}"}
 
 
 @pytest.mark.parametrize("cfg_name", sorted(CONFIGS))

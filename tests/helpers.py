@@ -1,0 +1,37 @@
+"""Small helpers shared by the test files."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import zoo
+
+
+def main_output(out):
+    """The tensor a model's forward is about: logits, last hidden state, or the output itself."""
+    if isinstance(out, dict) and "sentence_embedding" in out:
+        return out["sentence_embedding"]
+    for attr in ("logits", "last_hidden_state"):
+        if getattr(out, attr, None) is not None:
+            return getattr(out, attr)
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def run(case: zoo.ZooCase) -> torch.Tensor:
+    """The case's main output. Grad mode is left to the caller: nn.TransformerEncoderLayer's fused
+    no-grad fast path rounds differently from its regular path, so compare like with like."""
+    return main_output(case())
+
+
+def kha_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".kha." in f".{n}"}
+
+
+def perturb(model: nn.Module, seed: int = 1, scale: float = 0.1) -> None:
+    """Move every KHA weight off its identity init, as training would."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in kha_params(model).values():
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))

@@ -1,0 +1,122 @@
+"""fold(): exact, restores the original classes and keys, refuses MLP-value when strict."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kha_compile as kc
+from kha_compile.errors import FoldError
+from kha_compile.modules import HeadSlot, KHAMultiheadAttention, KHAProjection
+from kha_compile.passes.fold import fold_rows
+
+import zoo
+from helpers import kha_params, perturb, run
+
+LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
+
+
+def no_kha_left(model):
+    return not any(isinstance(m, (KHAProjection, KHAMultiheadAttention)) or type(m).__module__.startswith("kha_compile")
+                   for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "bert", "mistral", "phi", "t5", "deepseek_v3",
+                                  "gpt_neox", "falcon", "torch_encoder", "nanogpt", "vit", "gemma2"])
+def test_fold_is_exact_and_restores_the_original_model(name):
+    case = zoo.make(name)
+    keys = list(case.model.state_dict())
+    classes = [type(m) for m in case.model.modules()]
+    kc.apply(case.model, LINEAR, *case.example)
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    kc.fold(case.model)
+    with torch.no_grad():
+        got = run(case)
+    rel = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert rel < 1e-4
+    assert list(case.model.state_dict()) == keys
+    assert [type(m) for m in case.model.modules()] == classes
+    assert no_kha_left(case.model)
+
+
+def test_strict_fold_with_mlp_value_is_refused_and_changes_nothing():
+    case = zoo.make("llama")
+    kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"))
+    perturb(case.model)
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    classes = [type(m) for m in case.model.modules()]
+    with pytest.raises(FoldError, match=r"MLP-value.*v_proj\.kha\.v.*Nothing was changed.*strict=False"):
+        kc.fold(case.model)
+    after = case.model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert [type(m) for m in case.model.modules()] == classes
+
+
+def test_non_strict_fold_folds_linear_and_keeps_mlp_value():
+    case = zoo.make("gpt2")  # fused c_attn: q linear and v mlp share one projection
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    kc.fold(case.model, strict=False)
+    names = list(kha_params(case.model))
+    assert names and all(".kha.v." in n for n in names)
+    with torch.no_grad():
+        assert torch.allclose(run(case), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fold_in_bfloat16_computes_in_float32_and_keeps_the_dtype():
+    case = zoo.make("llama", dtype=torch.bfloat16)
+    kc.apply(case.model, LINEAR)
+    perturb(case.model, scale=0.05)
+    with torch.no_grad():
+        expected = run(case).float()
+    kc.fold(case.model)
+    assert all(p.dtype == torch.bfloat16 for p in case.model.parameters())
+    with torch.no_grad():
+        got = run(case).float()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 3e-2
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_fold_rows_matches_the_transform_on_the_output(axis):
+    torch.manual_seed(0)
+    slot = HeadSlot("v", 8, 3, 4, 6)  # interleaved: heads every 6 features starting at 8
+    out_features, in_features = 8 + 3 * 6, 5
+    w = torch.randn(out_features, in_features) if axis == 0 else torch.randn(in_features, out_features)
+    b = torch.randn(out_features)
+    t = torch.randn(4, 4)
+    x = torch.randn(7, in_features)
+    y = x @ (w.t() if axis == 0 else w) + b
+    idx = slot.index()
+    heads = y[:, idx] @ t  # (7, H, Dh)
+    expected = y.clone()
+    expected[:, idx] = heads
+    w2, b2 = fold_rows(w, b, slot, t, axis)
+    got = x @ (w2.t() if axis == 0 else w2) + b2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_hf_model_reloads_with_plain_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    case = zoo.make("qwen3")
+    kc.apply(case.model, LINEAR)
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    kc.fold(case.model)
+    case.model.save_pretrained(tmp_path / "vanilla")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "vanilla").eval()
+    assert no_kha_left(reloaded)
+    with torch.no_grad():
+        got = reloaded(*case.args, **case.kwargs).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fold_without_kha_is_a_no_op():
+    case = zoo.make("bert")
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    kc.fold(case.model)
+    assert all(torch.equal(v, before[k]) for k, v in case.model.state_dict().items())
