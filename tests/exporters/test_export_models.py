@@ -31,9 +31,9 @@ def rel_err(a: np.ndarray, b: torch.Tensor) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-# t5's attention code views a non-contiguous tensor, which torch.export cannot do with a symbolic
-# sequence length: the original model itself only exports with static shapes.
-@pytest.mark.parametrize("name,dynamic", [("llama", True), ("bert", True), ("gpt2", True), ("t5", False)])
+# (t5 is left out: torch.onnx's decomposition of the original t5 already fails on a view of a
+# non-contiguous tensor, with or without KHA.)
+@pytest.mark.parametrize("name,dynamic", [("llama", True), ("bert", True), ("gpt2", True), ("phi", False)])
 def test_folded_linear_kha_exports_the_same_graph_as_the_original(name, dynamic, tmp_path):
     base = zoo.make(name)
     plain = kc.export_onnx(base.model, tmp_path / "plain.onnx", *base.example, dynamic=dynamic)
