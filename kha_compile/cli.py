@@ -43,16 +43,18 @@ MINILM = "minilm"
 MODEL_HELP = ("a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
               "all-MiniLM-L6-v2), or a tiny random model: tiny-llama, tiny-qwen3, tiny-gpt2, tiny-bert")
 
-# Paraphrase pairs for the demo's contrastive objective (anchor i should be closest to positive i).
+# The demo's contrastive objective: anchor i should be closest to positive i among all positives.
+# Each pair has a role-reversed twin (who did what to whom), a hard negative for mean-pooled
+# embeddings, so the loss of the pretrained model is far from zero.
 DEMO_PAIRS = [
-    ("A man is playing a guitar.", "Someone plays an acoustic guitar."),
-    ("The cat sleeps on the sofa.", "A kitten is napping on the couch."),
-    ("It is raining heavily outside.", "There is a downpour outdoors."),
-    ("She is cooking pasta for dinner.", "A woman prepares spaghetti in the evening."),
-    ("The stock market fell sharply today.", "Share prices dropped a lot this afternoon."),
-    ("He fixed the flat tire on his bike.", "A man repaired his bicycle's punctured wheel."),
-    ("The children are building a sandcastle.", "Kids make a castle out of sand at the beach."),
-    ("The train to Paris is delayed.", "The Paris-bound train is running late."),
+    ("The dog chased the cat.", "The cat was chased by the dog."),
+    ("The cat chased the dog.", "The dog was chased by the cat."),
+    ("Alice paid Bob for the car.", "Bob got money from Alice for the car."),
+    ("Bob paid Alice for the car.", "Alice got money from Bob for the car."),
+    ("The teacher thanked the student.", "The student was thanked by the teacher."),
+    ("The student thanked the teacher.", "The teacher was thanked by the student."),
+    ("The company bought the startup.", "The startup was acquired by the company."),
+    ("The startup bought the company.", "The company was acquired by the startup."),
 ]
 DEMO_SENTENCES = [
     "Knocking-heads attention lets attention heads share a small transform.",
@@ -110,7 +112,7 @@ def _logging(verbose: int, ui: _UI) -> Iterator[None]:
                           rich_tracebacks=True)
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
-    _quiet_transformers(verbose)
+    _QUIET["verbose"] = verbose
     onnx_logger = logging.getLogger("torch.onnx")  # "torchvision is not installed ..." on every export
     onnx_saved = onnx_logger.level
     with warnings.catch_warnings():
@@ -124,19 +126,38 @@ def _logging(verbose: int, ui: _UI) -> Iterator[None]:
             logger.removeHandler(handler)
             logger.setLevel(saved)
             onnx_logger.setLevel(onnx_saved)
+            _restore_transformers()
 
 
-def _quiet_transformers(verbose: int) -> None:
-    """Hide transformers' INFO chatter and weight-loading progress bars unless -v."""
-    if verbose or "transformers" not in sys.modules and not _importable("transformers"):
+_QUIET: dict[str, Any] = {"verbose": 0, "restore": None}
+
+
+def _quiet_transformers() -> None:
+    """Hide transformers' INFO chatter and weight-loading progress bars unless -v (called on first load)."""
+    if _QUIET["verbose"] or _QUIET["restore"] is not None:
         return
     try:
         import transformers
+        from transformers.utils import logging as hf_logging
 
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
+        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     except Exception:  # an old or partial transformers: cosmetic only
-        pass
+        return
+
+    def restore() -> None:
+        transformers.logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+    _QUIET["restore"] = restore
+
+
+def _restore_transformers() -> None:
+    restore, _QUIET["restore"] = _QUIET["restore"], None
+    if restore is not None:
+        restore()
 
 
 def _importable(name: str) -> bool:
@@ -192,6 +213,9 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
     """
     from . import _tiny
 
+    if spec in _tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
+        _import("transformers", "hf")
+        _quiet_transformers()
     if spec in _tiny.TINY_MODELS:
         return _tiny.make(spec), spec
     if spec == MINILM:
@@ -228,6 +252,7 @@ def _load_minilm() -> nn.Module:
 
 def _sentence_transformer(path: str) -> nn.Module:
     _import("transformers", "hf")
+    _quiet_transformers()
     st = _import("sentence_transformers", "hf")
     return st.SentenceTransformer(path, device="cpu").eval()
 
@@ -297,6 +322,7 @@ def _ort_run(path: pathlib.Path, args: tuple, kwargs: dict) -> list:
     ort = _import("onnxruntime", "onnx")
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    opts.intra_op_num_threads = torch.get_num_threads()
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     feed: dict[str, Any] = {}
@@ -350,7 +376,7 @@ class _Check:
     ok: bool
 
 
-def _train_kha(st: nn.Module, steps: int, ui: _UI, lr: float = 1e-2, temperature: float = 0.05) -> list[float]:
+def _train_kha(st: nn.Module, steps: int, ui: _UI, lr: float = 1e-3, temperature: float = 0.05) -> list[float]:
     """Train only the KHA parameters on an in-batch contrastive loss over DEMO_PAIRS; returns the losses."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -358,24 +384,23 @@ def _train_kha(st: nn.Module, steps: int, ui: _UI, lr: float = 1e-2, temperature
         p.requires_grad_("kha" in name)  # base weights frozen
     params = [p for p in st.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
-    anchors = _features(st, [a for a, _ in DEMO_PAIRS])
-    positives = _features(st, [b for _, b in DEMO_PAIRS])
-    labels = torch.arange(len(DEMO_PAIRS))
+    n = len(DEMO_PAIRS)
+    batch = _features(st, [a for a, _ in DEMO_PAIRS] + [b for _, b in DEMO_PAIRS])  # anchors, then positives
+    labels = torch.arange(n)
     losses: list[float] = []
     progress = Progress(TextColumn("training KHA"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
-                        console=ui.err, transient=True)
+                        console=ui.err, transient=True, disable=not ui.err.is_terminal)
     with progress:
         task = progress.add_task("train", total=steps, loss="-")
         for _ in range(steps):
-            a = nn.functional.normalize(st(anchors)["sentence_embedding"], dim=-1)   # (N, D)
-            b = nn.functional.normalize(st(positives)["sentence_embedding"], dim=-1)  # (N, D)
-            logits = a @ b.T / temperature                                            # (N, N)
+            emb = nn.functional.normalize(st(batch)["sentence_embedding"], dim=-1)  # (2N, D)
+            logits = emb[:n] @ emb[n:].T / temperature                              # (N, N)
             loss = (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
     for p in st.parameters():
         p.requires_grad_(False)
@@ -387,7 +412,7 @@ def _loss_table(losses: list[float]) -> Any:
 
     n = len(losses)
     shown = sorted({0, n - 1, *range(0, n, max(1, n // 5))})
-    table = Table(title="contrastive loss (KHA parameters only, base frozen)", title_justify="left")
+    table = Table(title="training loss (KHA only, base frozen)", title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     table.add_column("")
@@ -398,6 +423,19 @@ def _loss_table(losses: list[float]) -> Any:
 
 
 def _cmd_demo(args: argparse.Namespace, ui: _UI) -> int:
+    if args.steps < 1:
+        raise KHAError(f"--steps must be at least 1, got {args.steps}.")
+    if args.threads < 1:
+        raise KHAError(f"--threads must be at least 1, got {args.threads}.")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _demo(args, ui)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _demo(args: argparse.Namespace, ui: _UI) -> int:
     import kha_compile as kc
     from rich.panel import Panel
 
@@ -431,8 +469,10 @@ def _cmd_demo(args: argparse.Namespace, ui: _UI) -> int:
     checks.append(_Check("identity at init", f"max |Δ embedding| = {_fmt_diff(d_init)}", d_init == 0.0))
     ui.out.print(f"embeddings right after apply: max |Δ| = {_fmt_diff(d_init)} {_ok(d_init == 0.0)}")
 
-    with ui.step(f"train the KHA parameters for {args.steps} steps on {len(DEMO_PAIRS)} paraphrase pairs"):
-        losses = _train_kha(st, args.steps, ui)
+    t0 = time.perf_counter()  # no ui.step: the training shows its own progress bar
+    losses = _train_kha(st, args.steps, ui)
+    ui.steps.print(f"[green]✓[/] train the KHA parameters for {args.steps} steps on {len(DEMO_PAIRS)} "
+                   f"paraphrase pairs with role-reversed twins [dim]({time.perf_counter() - t0:.1f}s)[/]")
     ui.out.print(_loss_table(losses))
     improved = len(losses) < 2 or losses[-1] < losses[0]
     checks.append(_Check("training", f"loss {losses[0]:.4f} → {losses[-1]:.4f} ({len(losses)} steps, "
@@ -445,7 +485,8 @@ def _cmd_demo(args: argparse.Namespace, ui: _UI) -> int:
     png = out_dir / "kha_matrices.png"
     if _importable("matplotlib"):
         with ui.step(f"plot the learned matrices to {png}"):
-            plot_kha(st, png, title="all-MiniLM-L6-v2: learned KHA matrices after the demo")
+            plot_kha(st, png, delta=True, title=f"all-MiniLM-L6-v2: change of the KHA matrices in "
+                                                f"{args.steps} training steps (T - I)")
     else:
         ui.out.print("[dim]matplotlib not installed: no heatmap (pip install 'kha-compile[viz]')[/]")
 
@@ -566,7 +607,7 @@ def _cmd_inspect(args: argparse.Namespace, ui: _UI) -> int:
     if args.json:
         import json
 
-        ui.out.print_json(json.dumps(report.to_dict()))
+        ui.out.print(json.dumps(report.to_dict(), indent=2), soft_wrap=True, markup=False, highlight=False)
     else:
         ui.out.print(report_table(report, title=f"{name} ({report.model}): {len(report.matched)} attention "
                                                 f"sites matched, {len(report.skipped)} skipped"))
@@ -647,6 +688,7 @@ def _cmd_export(args: argparse.Namespace, ui: _UI) -> int:
             kc.apply(model, cfg)
     target = _transformer_of(model)
     out = pathlib.Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with ui.step(f"export {type(target).__name__} to {out} (dynamic={not args.static}, fold={not args.no_fold})"):
         export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
     s = onnx_summary(out)
@@ -835,7 +877,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kha-compile", parents=[common], allow_abbrev=False,
         description="Knocking-heads attention (KHA) inserted into PyTorch models by a graph pass.")
-    parser.set_defaults(verbose=0)
     parser.add_argument("--version", action="version", version=f"kha-compile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -845,6 +886,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="training steps of the KHA parameters (default 20)")
     p.add_argument("--out", default="./kha_demo_out", help="output directory (default ./kha_demo_out)")
     p.add_argument("--no-export", action="store_true", help="skip the ONNX exports")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the demo's batches are tiny, and more threads than free "
+                        "cores make it several times slower on a busy machine)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("inspect", parents=[common], allow_abbrev=False, help="list the attention sites of a model")
@@ -912,6 +956,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, usage errors (argparse exits 2)
         return e.code if isinstance(e.code, int) else 0
+    args.verbose = getattr(args, "verbose", 0)  # -v before or after the command (default SUPPRESS: no clash)
     ui = _UI(args.verbose)
     from . import KHAError as _KHAError  # the package's class (also when run as __main__)
 
