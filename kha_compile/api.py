@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import warnings
 from typing import Any, Optional
@@ -112,13 +111,12 @@ def remove(model: nn.Module) -> nn.Module:
 
 
 def _config_of(model: nn.Module) -> dict[str, Any]:
+    """The KHAConfig that reproduces the model's transforms (MLA sites carry v='linear' under v='mlp')."""
     roles: dict[str, str] = {}
     for _, module in kha_modules(model):
         for role, t in module.kha.items():
-            if roles.setdefault(role, t.kind) != t.kind and t.kind == "linear":
-                pass  # MLA sites carry v='linear' under a v='mlp' config
-            elif t.kind == "mlp":
-                roles[role] = "mlp"
+            if roles.get(role) != "mlp":
+                roles[role] = t.kind
     return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v")}
 
 
