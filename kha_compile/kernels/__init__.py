@@ -1,0 +1,14 @@
+"""Fused kernels: the Triton MLP-value kernel (triton is imported only when a kernel is first used)."""
+from .mlp_value import (
+    MAX_D,
+    mlp_value_triton,
+    mlp_value_triton_backward,
+    mlp_value_triton_forward,
+    triton_available,
+    triton_supports,
+)
+
+__all__ = [
+    "mlp_value_triton", "mlp_value_triton_forward", "mlp_value_triton_backward",
+    "triton_available", "triton_supports", "MAX_D",
+]

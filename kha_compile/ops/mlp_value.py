@@ -123,34 +123,70 @@ def _(grad, v, w_up, w_gate, w_down):
 # --------------------------------------------------------------------------------------------------
 # CUDA: the fused Triton kernels (imported on first call), the composite formula where they do not apply
 # --------------------------------------------------------------------------------------------------
-def _use_triton(v: Tensor) -> bool:
+_TRITON_BROKEN: set[tuple[str, int, torch.dtype]] = set()  # launches whose kernels failed to build here
+
+
+def _use_triton(kind: str, v: Tensor) -> bool:
     from ..kernels import mlp_value as kernels  # no triton import here; triton_available() does that
 
-    return kernels.triton_supports(v.shape[-1], v.dtype) and kernels.triton_available()
+    d = v.shape[-1]
+    return (
+        (kind, d, v.dtype) not in _TRITON_BROKEN
+        and kernels.triton_supports(d, v.dtype)
+        and kernels.triton_available()
+    )
+
+
+def _run_triton(kind: str, v: Tensor, launch):
+    """``launch()``, or None if Triton cannot build the kernel here (warned once; the composite runs).
+
+    Only build-time failures (compile errors, not enough shared memory for any config, e.g. under
+    another triton version) fall back; any other error propagates.
+    """
+    from ..kernels.mlp_value import is_triton_build_error
+
+    try:
+        return launch()
+    except Exception as e:
+        if not is_triton_build_error(e):
+            raise
+        _TRITON_BROKEN.add((kind, v.shape[-1], v.dtype))
+        logger.warning(
+            "kha::mlp_value: the Triton %s kernel for d=%d, %s could not be built here (%s: %s); "
+            "using the unfused composite for it from now on.",
+            kind, v.shape[-1], v.dtype, type(e).__name__, e,
+        )
+        return None
 
 
 def _mlp_value_cuda(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
     check_mlp_value_inputs(v, w_up, w_gate, w_down)
-    if not _use_triton(v):
-        return mlp_value_reference(v, w_up, w_gate, w_down)
-    from ..kernels.mlp_value import mlp_value_triton_forward
+    if _use_triton("forward", v):
+        from ..kernels import mlp_value as kernels
 
-    d = v.shape[-1]
-    y = mlp_value_triton_forward(v.reshape(-1, d), w_up, w_gate, w_down)  # (M, d)
-    return y.reshape(v.shape)
+        d = v.shape[-1]
+        y = _run_triton(
+            "forward", v, lambda: kernels.mlp_value_triton_forward(v.reshape(-1, d), w_up, w_gate, w_down)
+        )  # (M, d)
+        if y is not None:
+            return y.reshape(v.shape)
+    return mlp_value_reference(v, w_up, w_gate, w_down)
 
 
 def _mlp_value_backward_cuda(
     grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward_inputs(grad, v, w_up, w_gate, w_down)
-    if not _use_triton(v):
-        return mlp_value_backward_reference(grad, v, w_up, w_gate, w_down)
-    from ..kernels.mlp_value import mlp_value_triton_backward
+    if _use_triton("backward", v):
+        from ..kernels import mlp_value as kernels
 
-    d = v.shape[-1]
-    gv, gu, gg, gd = mlp_value_triton_backward(grad.reshape(-1, d), v.reshape(-1, d), w_up, w_gate, w_down)
-    return gv.reshape(v.shape), gu, gg, gd
+        d = v.shape[-1]
+        out = _run_triton("backward", v, lambda: kernels.mlp_value_triton_backward(
+            grad.reshape(-1, d), v.reshape(-1, d), w_up, w_gate, w_down))
+        if out is not None:
+            gv, gu, gg, gd = out
+            return gv.reshape(v.shape), gu, gg, gd
+    return mlp_value_backward_reference(grad, v, w_up, w_gate, w_down)
 
 
 mlp_value.register_kernel("cuda")(_mlp_value_cuda)
