@@ -1,25 +1,50 @@
 """The ``"kha"`` torch.compile backend: KHA rewrites on the Dynamo graph, then Inductor.
 
-Importing :mod:`kha_compile` registers the name ``"kha"`` with Dynamo (lazily: nothing heavy is
-imported until Dynamo's backend registry is). The backend runs these rules on every Dynamo graph,
-each a small class with ``pattern`` / ``check`` / ``rewrite`` that gives a reason when it declines:
+Importing :mod:`kha_compile` registers the name ``"kha"`` with Dynamo lazily: if Dynamo's backend
+registry is not imported yet, a one-shot import hook registers the backend when it is, so
+``import kha_compile`` imports nothing of Dynamo or Inductor.
+
+Every Dynamo graph goes through these rules, each a small class with ``pattern`` / ``check`` /
+``rewrite``; a declined match is recorded with its reason (``stats.declined``, DEBUG log):
 
 - :class:`DeployKHA` (deploy mode only): inserts the transforms of a ``save_pretrained`` checkpoint
-  after the projections of a model that never saw :func:`kha_compile.apply`.
+  after the projection ops of a model that never saw :func:`kha_compile.apply`.
 - :class:`FuseMLPValue`: the hand-written form ``2 * ((v @ W_up) * sigmoid(v @ W_gate)) @ W_down``
-  (``torch.matmul``, either operand order of ``*``, ``2.0 *`` or ``* 2``) becomes one
-  ``torch.ops.kha.mlp_value`` node. ``KHAMLPValue`` already traces to that node.
+  (``torch.matmul`` or ``@``, either operand order of ``*``, ``2 *``, ``2.0 *``, ``* 2``, or the
+  factor after the down-projection) becomes one ``torch.ops.kha.mlp_value`` node.
+  ``KHAMLPValue`` already traces to that node; ``stats.mlp_value_ops`` counts both.
 - :class:`FoldLinearKHA`: when gradients are off (``torch.is_grad_enabled()`` is False while
-  compiling, or none of the tensors involved requires grad), every KHA-Linear ``x @ T`` is folded
-  into the weight rows of the projection that feeds it (``W[R_h] <- T^T W[R_h]``,
+  compiling, or none of the weight, bias and transforms requires grad), every KHA-Linear
+  ``x @ T`` is folded into the rows of the projection that feeds it (``W[R_h] <- T^T W[R_h]``,
   ``b[R_h] <- T^T b[R_h]``, KHA_SPEC.md) and the matmul disappears.
 
 Then the graph goes to Inductor (``torch._inductor.compile_fx.compile_fx``).
 
-Folded weights are not baked in as constants: they are extra graph inputs that the returned
-callable computes from the live parameters and recomputes whenever a source parameter is replaced
-or modified in place (its version counter moves), so an optimizer step between two ``no_grad``
-calls never leaves a stale fold behind.
+Design notes
+------------
+- Folding works on the graph, not on modules (the backend never sees the modules): the matmul
+  is anchored by the module that traced it (``nn_module_stack`` holds a ``KHALinearTransform``),
+  and the path from the projection op (``linear``, Conv1D's ``addmm``, ``matmul``) to it is
+  replayed on a meta stand-in whose token axes have stride 0, so any chain of views (``narrow``,
+  ``reshape``, ``unflatten``, ``split`` ...) of separate, fused or interleaved projections gives
+  the head slot exactly. The fold is refused when anything else reads the transformed features.
+  The matmul is replaced by its input; the layout ops around it stay and cost nothing.
+- Folded weights are not baked into the compiled code: they are extra graph inputs that the
+  returned callable computes from the live parameters, and recomputes whenever a source tensor
+  is replaced or modified in place (its version counter moves). An optimizer step between two
+  ``no_grad`` calls therefore never leaves a stale fold behind.
+- Deploy mode needs the head layout, which only the model's analysis gives (``kc.apply``'s
+  trace and match). ``kc.backend(from_pretrained=..., model=m)`` analyses ``m`` and validates the
+  checkpoint right away: a misfit raises ``KHAError`` before anything compiles. Without ``model``
+  the backend takes the module handed to ``torch.compile`` (the ``OptimizedModule`` on the call
+  stack) and validates on the first compile; the ``KHAError`` is then raised through Dynamo
+  unwrapped (Dynamo wraps backend errors in ``BackendCompilerFailed`` except its own
+  ``ShortenTraceback`` family, so the error is re-raised as a subclass of both), and
+  ``except kc.KHAError`` catches it. A transform that deploy mode cannot place raises too,
+  since leaving it out would change the outputs. ``nn.MultiheadAttention`` (projections used
+  functionally) is not supported in deploy mode: use ``kc.load_pretrained`` and ``"kha"``.
+- The rules work on a copy of the graph: Dynamo keeps using the placeholders of the graph it
+  passed after the backend returns.
 
 ``kha_compile.backend`` is this module and is also callable:
 ``kha_compile.backend(from_pretrained=..., **options)`` returns a :class:`KHABackend`.
@@ -29,7 +54,7 @@ Example::
     import kha_compile as kc
     compiled = torch.compile(model_with_kha, backend="kha")              # train or infer
     compiled = torch.compile(vanilla, backend=kc.backend(from_pretrained="kha_ckpt"))   # deploy
-    kc.backend.last_stats().rewrites      # {'fuse_mlp_value': 0, 'fold_linear': 0, ...}
+    kc.backend.last_stats().rewrites      # {'deploy': 2, 'fuse_mlp_value': 0, 'fold_linear': 0}
 """
 from __future__ import annotations
 
@@ -364,7 +389,6 @@ class _Runner:
     def __init__(self, compiled: Callable, recipes: list[_Recipe], gm: fx.GraphModule):
         self.compiled = compiled
         self.recipes = recipes
-        self.boxed = bool(getattr(compiled, "_boxed_call", False))
         self._gm = gm
 
     def _attr(self, qualname: str) -> Tensor:
@@ -375,9 +399,7 @@ class _Runner:
 
     def __call__(self, *args):
         extra = [t for r in self.recipes for t in r.values(args, self._attr)]
-        if self.boxed:
-            return self.compiled([*args, *extra])
-        return self.compiled(*args, *extra)
+        return self.compiled(*args, *extra)  # Dynamo calls its compiled graphs positionally
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +414,7 @@ class Rule:
     """
 
     name = "rule"
+    strict = False  # a strict rule raises KHAError instead of declining (skipping it would change results)
 
     def pattern(self, ctx: _GraphContext) -> Iterator[Any]:
         raise NotImplementedError
@@ -403,15 +426,40 @@ class Rule:
         raise NotImplementedError
 
     def run(self, ctx: _GraphContext) -> int:
+        """Apply the rule everywhere it fits; record each decline; returns the rewrites made.
+
+        A KHAError (a user-facing problem, such as a deploy checkpoint that cannot be placed)
+        propagates; any other error inside ``pattern`` or ``check`` declines instead of failing
+        the compile, and is logged as a warning.
+        """
         total = 0
-        for match in list(self.pattern(ctx)):
+        try:
+            matches = list(self.pattern(ctx))
+        except KHAError:
+            raise
+        except Exception as exc:  # a bug here must not cost the user their compile
+            if self.strict:
+                raise KHAError(f"{self.name}: internal error while matching: {exc!r}") from exc
+            log.warning("kha backend: rule %s failed on this graph and was skipped: %r", self.name, exc)
+            ctx.stats.declined.append((self.name, "<graph>", f"internal error: {exc!r}"))
+            matches = []
+        for match in matches:
             if isinstance(match, _Declined):
                 verdict, anchor = _fail(match.reason), match.anchor
             else:
                 if any(n.graph is None or getattr(n, "_erased", False) for n in match.nodes()):
                     continue  # an earlier rewrite already consumed part of this match
-                verdict, anchor = self.check(match, ctx), match.anchor
+                anchor = match.anchor
+                try:
+                    verdict = self.check(match, ctx)
+                except KHAError:
+                    raise
+                except Exception as exc:
+                    log.warning("kha backend: %s check failed at %s: %r", self.name, anchor.name, exc)
+                    verdict = _fail(f"internal error: {exc!r}")
             if not verdict:
+                if self.strict:
+                    raise KHAError(f"{self.name}: cannot rewrite at {anchor.name}: {verdict.reason}")
                 ctx.stats.declined.append((self.name, anchor.name, verdict.reason))
                 log.debug("kha backend: %s declined at %s: %s", self.name, anchor.name, verdict.reason)
                 continue
@@ -614,14 +662,17 @@ def _simulate_view(node: fx.Node, value: Any, base: Tensor, ctx: _GraphContext) 
     Returns the stand-in of its output, or None when the op is not a pure view of its input.
     """
     rest = []
-    for a in node.args[1:]:
-        if isinstance(a, fx.Node):
-            ev = a.meta.get("example_value")
-            if isinstance(ev, Tensor) or ev is None:
-                return None
-            a = ev
-        rest.append(_concrete(a))
-    kwargs = {k: _concrete(v) for k, v in node.kwargs.items()}
+    try:
+        for a in node.args[1:]:
+            if isinstance(a, fx.Node):
+                ev = a.meta.get("example_value")
+                if isinstance(ev, Tensor) or ev is None:
+                    return None
+                a = ev
+            rest.append(_concrete(a))
+        kwargs = {k: _concrete(v) for k, v in node.kwargs.items()}
+    except KHAError:
+        return None
     if any(isinstance(v, fx.Node) for v in kwargs.values()):
         return None
     try:
@@ -762,6 +813,9 @@ class FoldLinearKHA(Rule):
         except KHAError:
             m.problem = "the projection output has a symbolic size without a hint"
             return m
+        if shape[-1] != width:
+            m.problem = f"the projection output has {shape[-1]} features, its weight {width}"
+            return m
         values, readers = _view_descendants(proj.node, width, shape, ctx)
         mine = {mm for mm, _ in members}
         for mm, t in members:
@@ -867,6 +921,7 @@ class DeployKHA(Rule):
     """
 
     name = "deploy"
+    strict = True  # a transform left out would silently change the model's outputs
 
     def __init__(self, entries: Sequence[_DeployEntry]):
         self.entries = list(entries)
@@ -1180,7 +1235,7 @@ class KHABackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         root = _compiled_root()
-        gm = _copy(gm)  # Dynamo keeps using the graph it passed (its placeholders) after we return
+        original, gm = gm, _copy(gm)  # Dynamo keeps using the graph it passed (its placeholders) after we return
         stats = GraphStats(len(self.stats.graphs))
         self.stats.graphs.append(stats)
         ctx = _GraphContext(gm, example_inputs, stats, self.options)
@@ -1202,6 +1257,7 @@ class KHABackend:
                 self._quiet.add(key)
                 log.info("kha backend: no KHA transforms in %s; compiling it unchanged with %s",
                          type(root).__name__ if root is not None else "this graph", self._compiler_name())
+            return self._inner(original, list(example_inputs))
         compiled = self._inner(gm, ctx.example_inputs)
         if ctx.recipes:
             return _Runner(compiled, ctx.recipes, gm)
@@ -1223,8 +1279,11 @@ class KHABackend:
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), sharing its attributes."""
     graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
     out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
+    old_output = next(iter(reversed(gm.graph.nodes)))
+    new_output = graph.output(out, type_expr=old_output.type)
+    new_output.meta = dict(old_output.meta)
     return fx.GraphModule(gm, graph)
 
 
