@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .errors import KHAError
 
 __all__ = [
-    "KHALinearTransform", "KHAMLPValue", "HeadSlot", "KHAProjection", "attach", "detach",
+    "KHALinearTransform", "KHAMLPValue", "KHATransforms", "HeadSlot", "KHAProjection", "attach", "detach",
     "is_kha_projection", "kha_class_for", "make_transform",
 ]
 
@@ -94,6 +94,10 @@ class KHAMLPValue(nn.Module):
 
 
 _TRANSFORMS = {"linear": KHALinearTransform, "mlp": KHAMLPValue}
+
+
+class KHATransforms(nn.ModuleDict):
+    """The ``kha`` child of a KHA projection: one shared transform per role ("q", "k", "v")."""
 
 
 def make_transform(kind: str, head_dim: int, *, dtype=None, device=None) -> nn.Module:
@@ -184,7 +188,7 @@ class KHAProjection(nn.Module):
     mixin and its own class, so it keeps its parameters and ``state_dict`` keys.
     """
 
-    kha: nn.ModuleDict
+    kha: KHATransforms
     _kha_slots: tuple[HeadSlot, ...]
     _kha_out_features: int
 
@@ -240,7 +244,7 @@ def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str]
     ref = next(iter(module.parameters(recurse=False)), None)
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
     device = ref.device if ref is not None else None
-    transforms = nn.ModuleDict()
+    transforms = KHATransforms()
     for s in slots:
         if s.role in kinds and s.role not in transforms:
             transforms[s.role] = make_transform(kinds[s.role], s.head_dim, dtype=dtype, device=device)
@@ -274,7 +278,7 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
     fast path (which would skip the transforms) switched off.
     """
 
-    kha: nn.ModuleDict
+    kha: KHATransforms
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
@@ -373,7 +377,7 @@ def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.Multi
     if module.bias_k is not None or module.add_zero_attn:
         raise KHAError("nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile.")
     ref = module.out_proj.weight
-    transforms = nn.ModuleDict({r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device)
+    transforms = KHATransforms({r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device)
                                 for r, k in kinds.items()})
     module.__class__ = KHAMultiheadAttention
     module.kha = transforms
