@@ -488,7 +488,7 @@ def _demo(args: argparse.Namespace, ui: _UI) -> int:
             plot_kha(st, png, delta=True, title=f"all-MiniLM-L6-v2: change of the KHA matrices in "
                                                 f"{args.steps} training steps (T - I)")
     else:
-        ui.out.print("[dim]matplotlib not installed: no heatmap (pip install 'kha-compile[viz]')[/]")
+        ui.out.print("[dim]matplotlib not installed: no heatmap (pip install 'kha-compile\\[viz]')[/]")
 
     with ui.step("fold the linear KHA into the query/key/value weights"):
         kc.fold(st)

@@ -1,6 +1,7 @@
 """The matcher on generic attention code: random head counts, layouts and rotary, plus the skip reasons."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -35,6 +36,7 @@ class GenericAttention(nn.Module):
         else:  # interleaved per head [H, 3, Dh] (n_kv == n_head)
             self.qkv = nn.Linear(d, 3 * q_out)
         self.o_proj = nn.Linear(q_out, d)
+        self.ref_t = None  # tests: {role: fn} applied by hand right after the head split (the spec's place)
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -52,6 +54,8 @@ class GenericAttention(nn.Module):
         else:
             qkv = self.qkv(x).view(B, T, H, 3 * D).transpose(1, 2)  # (B, H, T, 3D)
             q, k, v = qkv.chunk(3, dim=-1)
+        if self.ref_t:  # (B, H, T, D): each role's transform on every head vector, before rotary and GQA
+            q, k, v = (self.ref_t[r](t) if r in self.ref_t else t for r, t in zip("qkv", (q, k, v)))
         if self.rope:
             pos = torch.arange(T, dtype=torch.float32)
             inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
@@ -87,6 +91,7 @@ def attention_cases(draw):
 def test_generic_attention_is_matched_identity_at_init_and_wired(params, kind):
     torch.manual_seed(0)
     model = GenericAttention(**params).eval()
+    by_hand = copy.deepcopy(model)
     x = torch.randn(2, 5, 24)
     ref = model(x)
     cfg = kc.KHAConfig(v="mlp") if kind == "mlp" else kc.KHAConfig(q="linear", k="linear", v="linear")
@@ -100,7 +105,31 @@ def test_generic_attention_is_matched_identity_at_init_and_wired(params, kind):
         for n, p in model.named_parameters():
             if ".kha." in n:
                 p.add_(0.1 * torch.randn_like(p))
-    assert not torch.allclose(model(x), ref, atol=1e-5)
+    out = model(x)
+    assert not torch.allclose(out, ref, atol=1e-5)
+
+    # Wired to the right features: the same (perturbed) matrices, applied by hand per KHA_SPEC.md to
+    # each role's head vectors right after the head split, give the same output. This catches a
+    # transform on the wrong role (q <-> k in a fused projection), the wrong head grouping, the wrong
+    # place (after rotary) and MLP weights used in the wrong order, which "output changed" cannot.
+    found = {}
+    for m in model.modules():
+        kha = getattr(m, "kha", None)
+        if isinstance(kha, nn.Module):  # the projection's `kha` child: one transform per role
+            for role, t in kha.named_children():
+                assert role not in found, f"two transforms for role {role}"
+                found[role] = {n: p.detach() for n, p in t.named_parameters()}
+    assert set(found) == set(cfg.roles())
+
+    def spec(role):
+        w = found[role]
+        if cfg.roles()[role] == "linear":
+            return lambda h: h @ w["weight"]
+        return lambda h: 2 * ((h @ w["up"]) * torch.sigmoid(h @ w["gate"])) @ w["down"]
+
+    by_hand.ref_t = {r: spec(r) for r in found}
+    with torch.no_grad():
+        torch.testing.assert_close(out.detach(), by_hand(x), rtol=1e-4, atol=1e-5)
 
 
 def test_kinds_of_generic_attention():
