@@ -249,3 +249,53 @@ def test_remove_restores_the_original_classes_and_keys():
     kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
     kc.remove(case.model)
     assert list(case.model.state_dict()) == keys and [type(m) for m in case.model.modules()] == classes
+
+
+def test_transformer_decoder_layers_get_self_and_cross_sites():
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerDecoder(layer, num_layers=2).eval()
+    tgt, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    ref = model(tgt, memory)
+    kc.apply(model, kc.KHAConfig(q="linear", v="mlp"), example_args=(tgt, memory))
+    kinds = sorted(s.kind for s in kc.inspect(model, example_args=(tgt, memory)).matched)
+    assert kinds == ["cross", "cross", "mha", "mha"]
+    assert torch.equal(model(tgt, memory), ref)
+    perturb(model)
+    assert not torch.allclose(model(tgt, memory), ref, atol=1e-5)
+
+
+def test_generate_after_training_agrees_with_and_without_the_kv_cache():
+    case = zoo.make("llama")
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    perturb(case.model, scale=0.3)
+    ids = case.kwargs["input_ids"][:1, :4]
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cached = case.model.generate(ids, use_cache=True, **gen)
+    uncached = case.model.generate(ids, use_cache=False, **gen)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("name,rope,qk_norm", [("bert", False, False), ("phi", True, False),
+                                                ("gpt_neox", True, False), ("qwen3", True, True)])
+def test_report_flags_rope_and_qk_norm(name, rope, qk_norm):
+    case = zoo.make(name)
+    sites = kc.inspect(case.model, *case.example).matched
+    assert sites and all((s.rope, s.qk_norm) == (rope, qk_norm) for s in sites)
+
+
+def test_refused_second_apply_leaves_the_model_unchanged():
+    case = zoo.make("llama")
+    kc.apply(case.model, kc.KHAConfig(v="mlp"))
+    perturb(case.model)
+    state = {k: v.clone() for k, v in case.model.state_dict().items()}
+    with pytest.raises(AlreadyAppliedError):
+        kc.apply(case.model, kc.KHAConfig(q="linear"))
+    after = case.model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+def test_mlp_value_op_has_a_cuda_kernel_registered():
+    # CUDA goes to the Triton kernel; every other device to the composite formula
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kha::mlp_value", "CUDA")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kha::mlp_value_backward", "CUDA")

@@ -120,3 +120,27 @@ def test_fold_without_kha_is_a_no_op():
     before = {k: v.clone() for k, v in case.model.state_dict().items()}
     kc.fold(case.model)
     assert all(torch.equal(v, before[k]) for k, v in case.model.state_dict().items())
+
+
+def test_folded_checkpoint_loads_in_a_process_without_kha_compile(tmp_path):
+    import subprocess
+    import sys
+
+    case = zoo.make("llama")
+    kc.apply(case.model, LINEAR)
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    kc.fold(case.model)
+    case.model.save_pretrained(tmp_path / "vanilla")
+    torch.save({"ids": case.kwargs["input_ids"], "expected": expected}, tmp_path / "io.pt")
+    script = (
+        "import sys, torch; sys.modules['kha_compile'] = None\n"  # importing kha_compile would fail
+        "from transformers import AutoModelForCausalLM\n"
+        f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'vanilla')!r}).eval()\n"
+        "with torch.no_grad(): out = m(input_ids=io['ids']).logits\n"
+        "torch.testing.assert_close(out, io['expected'], rtol=1e-4, atol=1e-5)\n"
+        "print('OK', type(m).__name__)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK LlamaForCausalLM" in res.stdout, res.stderr[-2000:]
