@@ -179,6 +179,24 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
+def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:
+    """What does not fit between the KHA tensors a model expects and a checkpoint's ('' if all fit)."""
+    def some(names: list[str]) -> str:
+        return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(got) if tuple(expected[k]) != tuple(got[k]))
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {some(missing)}")
+    if unexpected:
+        parts.append(f"not in this model: {some(unexpected)}")
+    if wrong:
+        parts.append("shape mismatch: " + ", ".join(f"{k} {tuple(got[k])} vs model {tuple(expected[k])}" for k in wrong[:5]))
+    return "; ".join(parts)
+
+
 def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: Optional[dict] = None
                     ) -> nn.Module:
     """Re-apply KHA to a fresh ``model`` as saved in ``directory`` and load its weights.
@@ -194,20 +212,11 @@ def load_pretrained(model: nn.Module, directory, example_args: Any = (), example
     apply(model, cfg, example_args, example_kwargs)
     try:
         state = _kha_state(model)
-        missing = sorted(set(state) - set(tensors))
-        unexpected = sorted(set(tensors) - set(state))
-        wrong = sorted(k for k in set(state) & set(tensors) if tuple(state[k].shape) != tuple(tensors[k].shape))
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-            if unexpected:
-                parts.append(f"not in this model: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-            if wrong:
-                parts.append("shape mismatch: " + ", ".join(
-                    f"{k} {tuple(tensors[k].shape)} vs model {tuple(state[k].shape)}" for k in wrong[:5]))
+        misfit = checkpoint_misfit({k: tuple(v.shape) for k, v in state.items()},
+                                   {k: tuple(v.shape) for k, v in tensors.items()})
+        if misfit:
             raise CheckpointError(f"the KHA checkpoint in {str(directory)!r} does not fit {type(model).__name__}: "
-                                  + "; ".join(parts) + ". The model was left unchanged.")
+                                  f"{misfit}. The model was left unchanged.")
         with torch.no_grad():
             params = dict(model.named_parameters())
             for k, v in tensors.items():

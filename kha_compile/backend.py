@@ -1055,7 +1055,7 @@ class _Deploy:
         return plan
 
     def _prepare(self, model: nn.Module) -> list[_DeployEntry]:
-        from .api import _analyse
+        from .api import _analyse, checkpoint_misfit
         from .passes.insert import kha_modules
 
         name = type(model).__name__
@@ -1077,20 +1077,9 @@ class _Deploy:
                 if s.role in p.kinds:
                     for param in _PARAMS[p.kinds[s.role]]:
                         expected[f"{p.module_path}.kha.{s.role}.{param}"] = (s.head_dim, s.head_dim)
-        got = {k: tuple(v.shape) for k, v in self.tensors.items()}
-        missing = sorted(set(expected) - set(got))
-        unexpected = sorted(set(got) - set(expected))
-        wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-            if unexpected:
-                parts.append(f"not in this model: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-            if wrong:
-                parts.append("shape mismatch: " + ", ".join(f"{k} {got[k]} vs model {expected[k]}" for k in wrong[:5]))
-            raise CheckpointError(f"the KHA checkpoint in {self.directory!r} does not fit {name}: "
-                                  + "; ".join(parts) + ".")
+        misfit = checkpoint_misfit(expected, {k: tuple(v.shape) for k, v in self.tensors.items()})
+        if misfit:
+            raise CheckpointError(f"the KHA checkpoint in {self.directory!r} does not fit {name}: {misfit}.")
         entries = []
         for p in plan:
             transforms = {s.role: (p.kinds[s.role], [self.tensors[f"{p.module_path}.kha.{s.role}.{q}"]
