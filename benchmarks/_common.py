@@ -25,6 +25,16 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def add_threads_arg(ap) -> None:
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); "
+                    "use 1 on a shared machine, where spinning OpenMP threads distort the timings")
+
+
+def apply_threads(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def machine() -> dict[str, object]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version()}

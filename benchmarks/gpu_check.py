@@ -1,7 +1,7 @@
 """GPU check: MLP-value KHA through ONNX into a TensorRT engine, compared with onnxruntime.
 
-Builds a tiny model whose value heads go through ``kha::mlp_value`` (a tiny transformers Llama with
-``kha_compile.apply`` where that exists, else a hand-written two-layer attention module), exports it
+Builds a tiny transformers Llama with MLP-value KHA (``kha_compile.apply``, weights moved off the
+identity init so the check can fail), exports it
 with ``kc.export_onnx`` (dynamic batch and sequence), builds a TensorRT engine per precision with
 the ``kha::MLPValue`` plugin, and runs engine and onnxruntime on the example shape and on another
 batch and sequence length. Prints the max differences.
@@ -35,32 +35,8 @@ SHAPES = [(2, 8), (3, 21)]          # (batch, seq): the example's, and another o
 DIM_RANGES = {"batch": (1, 2, 4), "seq": (1, 8, 64)}
 
 
-class TwoLayerAttention(torch.nn.Module):
-    """Fallback model: two attention layers, value heads through kha::mlp_value (random weights)."""
-
-    def __init__(self, d: int = 64, n_head: int = 4):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.n_head, self.dh = n_head, d // n_head
-        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
-        self.w = torch.nn.Parameter(torch.randn(2, 3, self.dh, self.dh, generator=gen) / self.dh ** 0.5)
-
-    def forward(self, x):
-        B, L, D = x.shape
-        for i, qkv in enumerate(self.qkv):
-            q, k, v = (t.view(B, L, self.n_head, self.dh).transpose(1, 2)        # (B, H, L, Dh)
-                       for t in qkv(x).split(D, dim=-1))
-            v = torch.ops.kha.mlp_value(v, self.w[i, 0], self.w[i, 1], self.w[i, 2])
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + y.transpose(1, 2).reshape(B, L, D)                            # (B, L, D)
-        return x
-
-
-def kha_llama():
-    """A tiny Llama with MLP-value KHA through ``kha_compile.apply``; None where apply is missing."""
-    apply = getattr(kha_compile, "apply", None)
-    if apply is None:
-        return None
+def build_model():
+    """(model, inputs(batch, seq) -> {name: tensor}, description): a tiny Llama with MLP-value KHA."""
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -68,7 +44,7 @@ def kha_llama():
                                    num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    apply(model, kha_compile.KHAConfig(v="mlp"))
+    kha_compile.apply(model, kha_compile.KHAConfig(v="mlp"))
     with torch.no_grad():                     # move off the identity init, so the check can fail
         for name, p in model.named_parameters():
             if "kha" in name:
@@ -80,24 +56,6 @@ def kha_llama():
                 "attention_mask": torch.ones(batch, seq, dtype=torch.long)}                    # (B, L)
 
     return model, inputs, "tiny Llama + kha_compile.apply(v='mlp')"
-
-
-def build_model():
-    """(model, inputs(batch, seq) -> {name: tensor}, description)."""
-    try:
-        built = kha_llama()
-    except Exception as e:  # apply exists but fails on this model: report, then check the export
-        log.warning("kha_compile.apply on a tiny Llama failed (%s: %s); using the hand-written "
-                    "module", type(e).__name__, e)
-        built = None
-    if built is not None:
-        return built
-    model = TwoLayerAttention().eval()
-
-    def inputs(batch, seq):
-        return {"x": torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seq))}
-
-    return model, inputs, "hand-written two-layer attention with kha::mlp_value"
 
 
 def main(argv=None) -> int:

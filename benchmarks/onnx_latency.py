@@ -19,7 +19,7 @@ import torch
 
 import kha_compile as kc
 
-from _common import interleaved_medians, write_json
+from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
 
 
 def models(small: bool):
@@ -53,12 +53,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); "
-                    "use 1 on a shared machine, where spinning OpenMP threads distort the timings")
+    add_threads_arg(ap)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

@@ -15,7 +15,7 @@ import torch
 
 import kha_compile as kc
 
-from _common import interleaved_medians, write_json
+from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
 
 
 def build(small: bool):
@@ -48,12 +48,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a small model, for a quick check")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); "
-                    "use 1 on a shared machine, where spinning OpenMP threads distort the timings")
+    add_threads_arg(ap)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     base, cfg = build(args.small)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     variants = {"baseline": base}

@@ -154,7 +154,7 @@ def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
 # --------------------------------------------------------------------------------------------
 
 def mlp_value_function(opset: int) -> Any:
-    """The ``kha::MLPValue`` FunctionProto: ``y = ((2 * (v @ w_up)) * sigmoid(v @ w_gate)) @ w_down``.
+    """The ``kha::MLPValue`` FunctionProto: ``y = ((v @ w_up) * sigmoid(v @ w_gate)) @ (2 * w_down)``.
 
     Written in the default-domain ``opset`` of the model that carries it (a function at another
     opset than its model fails ``onnx.checker``). Type-generic: the 2 is cast like ``v @ w_up``.
@@ -173,11 +173,13 @@ def mlp_value_function(opset: int) -> Any:
         h.make_node("MatMul", ["v", "w_up"], ["up"]),                 # (..., d)
         h.make_node("MatMul", ["v", "w_gate"], ["gate"]),             # (..., d)
         h.make_node("Sigmoid", ["gate"], ["gate_sig"]),
+        h.make_node("Mul", ["up", "gate_sig"], ["hidden"]),
+        # the factor 2 goes on the (d, d) weight, not on the (..., d) activations: one pass over
+        # the activations fewer, and exact (scaling by a power of two does not round)
         h.make_node("Constant", [], ["two_f32"], value_float=2.0),
-        h.make_node("CastLike", ["two_f32", "up"], ["two"]),
-        h.make_node("Mul", ["up", "two"], ["up2"]),
-        h.make_node("Mul", ["up2", "gate_sig"], ["hidden"]),
-        h.make_node("MatMul", ["hidden", "w_down"], ["y"]),           # (..., d)
+        h.make_node("CastLike", ["two_f32", "w_down"], ["two"]),
+        h.make_node("Mul", ["w_down", "two"], ["w_down2"]),
+        h.make_node("MatMul", ["hidden", "w_down2"], ["y"]),          # (..., d)
     ]
     return h.make_function(
         MLP_VALUE_DOMAIN, MLP_VALUE_OP, list(_MLP_VALUE_INPUTS), ["y"], nodes,

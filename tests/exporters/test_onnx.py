@@ -113,7 +113,7 @@ def test_model_local_function_holds_the_decomposition(exported):
     fn = model.functions[0]
     assert list(fn.input) == ["v", "w_up", "w_gate", "w_down"] and list(fn.output) == ["y"]
     assert [n.op_type for n in fn.node] == [
-        "MatMul", "MatMul", "Sigmoid", "Constant", "CastLike", "Mul", "Mul", "MatMul"]
+        "MatMul", "MatMul", "Sigmoid", "Mul", "Constant", "CastLike", "Mul", "MatMul"]
     model_opset = next(o.version for o in model.opset_import if o.domain == "")
     assert [(o.domain, o.version) for o in fn.opset_import] == [("", model_opset)]
     # checked against the function alone: the schema used during export is gone again
