@@ -521,12 +521,16 @@ def _demo_export(st: nn.Module, out_dir: pathlib.Path, ui: _UI) -> list[_Check]:
     other_tokens = {k: v for k, v in other.items() if isinstance(v, torch.Tensor)}
 
     # 1. the folded (vanilla) transformer
+    batches = [(DEMO_SENTENCES, feats, tokens), (_OTHER, other, other_tokens)]
+
+    def export_and_compare(model, path, what, how):
+        with ui.step(f"export {what} to {path}"):
+            export_onnx(_transformer_of(model), path, example_kwargs=tokens)
+        with ui.step(f"run it in onnxruntime{how} and compare with torch"):
+            return onnx_summary(path), _ort_parity_embeddings(model, path, batches)
+
     path = out_dir / "minilm_kha_folded.onnx"
-    with ui.step(f"export the folded transformer to {path} (torch.onnx, dynamo)"):
-        export_onnx(_transformer_of(st), path, example_kwargs=tokens)
-    s = onnx_summary(path)
-    with ui.step("run it in onnxruntime and compare sentence embeddings with torch"):
-        d = _ort_parity_embeddings(st, path, [(DEMO_SENTENCES, feats, tokens), (_OTHER, other, other_tokens)])
+    s, d = export_and_compare(st, path, "the folded transformer", "")
     checks.append(_Check("ONNX, linear KHA folded", f"onnxruntime vs torch max |Δ| = {_fmt_diff(d)}; "
                                                     f"{s.num_nodes} nodes, {s.num_custom_nodes} custom; "
                                                     f"{path.stat().st_size / 2**20:.1f} MiB", d < ONNX_TOL))
@@ -544,11 +548,7 @@ def _demo_export(st: nn.Module, out_dir: pathlib.Path, ui: _UI) -> list[_Check]:
                 if ".kha." in n:
                     p.add_(0.05 * torch.randn(p.shape, generator=gen))
     path2 = out_dir / "minilm_kha_mlp.onnx"
-    with ui.step(f"export the MLP-value model to {path2}"):
-        export_onnx(_transformer_of(st2), path2, example_kwargs=tokens)
-    s2 = onnx_summary(path2)
-    with ui.step("run it in onnxruntime (the kha::MLPValue function body) and compare with torch"):
-        d2 = _ort_parity_embeddings(st2, path2, [(DEMO_SENTENCES, feats, tokens), (_OTHER, other, other_tokens)])
+    s2, d2 = export_and_compare(st2, path2, "the MLP-value model", " (the kha::MLPValue function body)")
     ok2 = d2 < ONNX_TOL and s2.num_custom_nodes == 6
     checks.append(_Check("ONNX, MLP-value KHA", f"{s2.num_custom_nodes} kha::MLPValue nodes (6 expected); "
                                                 f"onnxruntime vs torch max |Δ| = {_fmt_diff(d2)}", ok2))

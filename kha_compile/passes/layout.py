@@ -39,11 +39,17 @@ def shape_of(node: Any) -> Optional[tuple[int, ...]]:
     return None
 
 
-def _to_shape(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
-    shape = shape_of(node)
-    if shape is None:
-        raise _NotLayout("no static shape")
-    return idx.reshape(shape)
+def _to_output_shape(method: str) -> Callable:
+    """Reshape or expand the index tensor to the node's (static) output shape."""
+    def run(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
+        shape = shape_of(node)
+        if shape is None:
+            raise _NotLayout("no static shape")
+        return getattr(idx, method)(shape)
+    return run
+
+
+_to_shape, _expand = _to_output_shape("reshape"), _to_output_shape("expand")
 
 
 def _call(fn: Callable) -> Callable:
@@ -54,13 +60,6 @@ def _call(fn: Callable) -> Callable:
 
 def _identity(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
     return idx
-
-
-def _expand(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
-    shape = shape_of(node)
-    if shape is None:
-        raise _NotLayout("no static shape")
-    return idx.expand(shape)
 
 
 class _NotLayout(Exception):
