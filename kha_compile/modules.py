@@ -392,3 +392,20 @@ def detach_mha(module: nn.Module) -> nn.Module:
         del module.kha
         module.__class__ = nn.MultiheadAttention
     return module
+
+
+def __getattr__(name: str):
+    """Recreate ``KHA<Base>`` classes on demand, so a pickled model with KHA loads in a new process."""
+    if name.startswith("KHA") and len(name) > 3:
+        base_name = name[3:]
+        stack = list(nn.Module.__subclasses__())
+        seen = set()
+        while stack:
+            cls = stack.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            if cls.__name__ == base_name and not issubclass(cls, KHAProjection):
+                return kha_class_for(cls)
+            stack.extend(cls.__subclasses__())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -299,3 +299,23 @@ def test_mlp_value_op_has_a_cuda_kernel_registered():
     # CUDA goes to the Triton kernel; every other device to the composite formula
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kha::mlp_value", "CUDA")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kha::mlp_value_backward", "CUDA")
+
+
+def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
+    import subprocess
+    import sys
+
+    case = zoo.make("gpt2")  # nn.Linear-free: the projection is transformers' Conv1D
+    kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"))
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    torch.save({"model": case.model, "ids": case.kwargs["input_ids"], "expected": expected}, tmp_path / "m.pt")
+    script = (
+        "import torch, transformers\n"
+        f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad(): out = d['model'](input_ids=d['ids']).logits\n"
+        "torch.testing.assert_close(out, d['expected'])\n"
+        "print('OK', type(d['model'].transformer.h[0].attn.c_attn).__name__)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK KHAConv1D" in res.stdout, res.stderr[-2000:]
