@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds of each function, run in turns (a, b, a, b, ...) so drift hits all alike."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of each call, the functions run in turns (a, b, a, b, ...) so drift hits all alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -22,7 +22,12 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each function, timed with :func:`interleaved_times`."""
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, repeats, warmup).items()}
 
 
 def add_threads_arg(ap) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 
 import kha_compile as kc
 
-from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
+from _common import add_threads_arg, apply_threads, interleaved_times, write_json
 
 
 def build(small: bool):
@@ -59,16 +60,19 @@ def main(argv=None) -> dict:
         m = copy.deepcopy(base)
         kc.apply(m, kcfg)
         variants[name] = m
-    times = interleaved_medians({k: step_fn(m, ids) for k, m in variants.items()}, args.repeats)
+    times = interleaved_times({k: step_fn(m, ids) for k, m in variants.items()}, args.repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
     print(f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
-          f"{cfg.num_key_value_heads} kv heads, seq {args.seq}, batch {args.batch}, {torch.get_num_threads()} threads")
-    print(f"  baseline train step:   {times['baseline'] * 1e3:8.1f} ms")
-    record = {"baseline_s": times["baseline"]}
+          f"{cfg.num_key_value_heads} kv heads, seq {args.seq}, batch {args.batch}, {torch.get_num_threads()} threads; "
+          f"{args.repeats} steps each, in turns")
+    print(f"  baseline train step:   median {med['baseline'] * 1e3:8.1f} ms   min {low['baseline'] * 1e3:8.1f} ms")
+    record = {"baseline_s": med["baseline"], "baseline_min_s": low["baseline"]}
     for name in ("linear", "mlp"):
-        ratio = times[name] / times["baseline"]
-        record[f"{name}_s"], record[f"{name}_ratio"] = times[name], ratio
-        print(f"  KHA-{name:6s} train step: {times[name] * 1e3:8.1f} ms   ratio {ratio:5.3f} "
-              f"(goal <= 1.03) {'OK' if ratio <= 1.03 else 'MISSED'}")
+        r_med, r_min = med[name] / med["baseline"], low[name] / low["baseline"]
+        record.update({f"{name}_s": med[name], f"{name}_ratio": r_med, f"{name}_min_ratio": r_min})
+        print(f"  KHA-{name:6s} train step: median {med[name] * 1e3:8.1f} ms   min {low[name] * 1e3:8.1f} ms   "
+              f"ratio median {r_med:5.3f}  min {r_min:5.3f}  (goal <= 1.03) {'OK' if r_med <= 1.03 else 'MISSED'}")
     write_json(args.json, record)
     return record
 
