@@ -24,4 +24,4 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["KHAConfig", "KHAError", "apply", "inspect", "fold", "remove", "save_pretrained", "load_pretrained",
-           "AttentionSite", "Report", "backend", "__version__"]
+           "export_onnx", "export_tensorrt", "AttentionSite", "Report", "backend", "__version__"]

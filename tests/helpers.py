@@ -35,3 +35,12 @@ def perturb(model: nn.Module, seed: int = 1, scale: float = 0.1) -> None:
     with torch.no_grad():
         for p in kha_params(model).values():
             p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+def run_python(script: str, expect: str, timeout: int = 300) -> None:
+    """Run ``script`` in a fresh interpreter; it must exit 0 and print ``expect``."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0 and expect in res.stdout, res.stderr[-2000:]

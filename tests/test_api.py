@@ -12,7 +12,7 @@ from kha_compile.errors import (AlreadyAppliedError, CheckpointError, KHAConfigE
                                 NoAttentionFoundError)
 
 import zoo
-from helpers import kha_params, perturb, run
+from helpers import kha_params, perturb, run, run_python
 
 CONFIGS = {"mlp": kc.KHAConfig(v="mlp"), "linear": kc.KHAConfig(q="linear", k="linear", v="linear")}
 
@@ -302,9 +302,6 @@ def test_mlp_value_op_has_a_cuda_kernel_registered():
 
 
 def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
-    import subprocess
-    import sys
-
     case = zoo.make("gpt2")  # nn.Linear-free: the projection is transformers' Conv1D
     kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"))
     perturb(case.model)
@@ -317,5 +314,4 @@ def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
         "with torch.no_grad(): out = d['model'](input_ids=d['ids']).logits\n"
         "torch.testing.assert_close(out, d['expected'])\n"
         "print('OK', type(d['model'].transformer.h[0].attn.c_attn).__name__)\n")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "OK KHAConv1D" in res.stdout, res.stderr[-2000:]
+    run_python(script, "OK KHAConv1D")

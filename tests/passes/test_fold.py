@@ -10,7 +10,7 @@ from kha_compile.modules import HeadSlot, KHAMultiheadAttention, KHAProjection
 from kha_compile.passes.fold import fold_rows
 
 import zoo
-from helpers import kha_params, perturb, run
+from helpers import kha_params, perturb, run, run_python
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 
@@ -106,9 +106,6 @@ def test_fold_without_kha_is_a_no_op():
 
 
 def test_folded_checkpoint_reloads_with_plain_from_pretrained_without_kha_compile(tmp_path):
-    import subprocess
-    import sys
-
     case = zoo.make("llama")
     kc.apply(case.model, LINEAR)
     perturb(case.model)
@@ -125,5 +122,4 @@ def test_folded_checkpoint_reloads_with_plain_from_pretrained_without_kha_compil
         "with torch.no_grad(): out = m(input_ids=io['ids']).logits\n"
         "torch.testing.assert_close(out, io['expected'], rtol=1e-4, atol=1e-5)\n"
         "print('OK', type(m).__name__)\n")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "OK LlamaForCausalLM" in res.stdout, res.stderr[-2000:]
+    run_python(script, "OK LlamaForCausalLM")
