@@ -79,10 +79,10 @@ def test_identity_in_bfloat16(name, cfg_name):
     assert torch.equal(run(case), ref)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox", "t5"])
 def test_generate_with_kv_cache_gives_the_original_tokens(name):
     case = zoo.make(name)
-    ids = case.kwargs["input_ids"][:1, :4]
+    ids = case.kwargs["input_ids"][:1, :4]  # t5: the encoder input; the decoder generates
     gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     ref = case.model.generate(ids, **gen)
     kc.apply(case.model, kc.KHAConfig(v="mlp"))
@@ -315,3 +315,27 @@ def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
         "torch.testing.assert_close(out, d['expected'])\n"
         "print('OK', type(d['model'].transformer.h[0].attn.c_attn).__name__)\n")
     run_python(script, "OK KHAConv1D")
+
+
+class DepthAwareStack(nn.Module):
+    """Code that depends on its own depth: cutting the repeated blocks down to one breaks it."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(zoo.Block(32, 4) for _ in range(3))
+
+    def forward(self, x):
+        if len(self.h) != 3:
+            raise RuntimeError("this model needs its three blocks")
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def test_model_whose_code_needs_every_block_is_traced_whole():
+    model = DepthAwareStack().eval()
+    x = torch.randn(2, 5, 32)
+    ref = model(x)
+    kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x,))
+    assert len(kc.inspect(model, example_args=(x,)).matched) == 3
+    assert torch.equal(model(x), ref)

@@ -146,10 +146,19 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with _representatives(model, dedupe_blocks) as groups, torch.enable_grad():
-            # Grad on and train() off the fused inference fast paths (nn.TransformerEncoderLayer,
-            # nn.MultiheadAttention), so the per-head structure stays visible in the graph.
-            ep = _export(model, args, kwargs)
+        with torch.enable_grad():
+            # Grad on keeps nn.TransformerEncoderLayer / nn.MultiheadAttention off their fused
+            # inference fast paths, so the per-head structure stays visible in the graph.
+            try:
+                with _representatives(model, dedupe_blocks) as groups:
+                    ep = _export(model, args, kwargs)
+            except TraceError:
+                if not (dedupe_blocks and groups):
+                    raise
+                # the model's code depends on its depth in a way the cut-down copy breaks: trace it whole
+                log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
+                groups = {}
+                ep = _export(model, args, kwargs)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(was_training)
