@@ -196,13 +196,23 @@ class KHAProjection(nn.Module):
         y = super().forward(*args, **kwargs)
         return self.kha_transform(y)
 
+    def _kha_layout(self) -> tuple[tuple[HeadSlot, ...], str, int]:
+        """(active slots, plan, stride), computed once per set of roles (fold may remove some)."""
+        roles = tuple(self.kha.keys())
+        cached = self.__dict__.get("_kha_cached_layout")
+        if cached is None or cached[0] != roles:
+            slots = tuple(s for s in self._kha_slots if s.role in self.kha)
+            plan = _plan(slots, self._kha_out_features) if slots else ("none", 0)
+            cached = (roles, slots, *plan)
+            self.__dict__["_kha_cached_layout"] = cached
+        return cached[1:]
+
     def kha_transform(self, y: Tensor) -> Tensor:
         """Apply each role's transform to its head slices of the projection output ``y`` (..., out)."""
-        slots = [s for s in self._kha_slots if s.role in self.kha]
+        slots, mode, stride = self._kha_layout()
         if not slots:
             return y
         width = y.shape[-1]
-        mode, stride = _plan(tuple(slots), width)
         if mode == "blocks":  # heads of a role are contiguous: (…, H*Dh) -> (…, H, Dh)
             bounds = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, self.kha[s.role])) for s in slots]
             return _apply_segments(y, width, _pieces(bounds, width))
@@ -261,7 +271,7 @@ def detach(module: nn.Module) -> nn.Module:
     if not isinstance(module, KHAProjection):
         return module
     del module.kha
-    for attr in ("_kha_slots", "_kha_out_features"):
+    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout"):
         module.__dict__.pop(attr, None)
     module.__class__ = type(module)._kha_base_class
     return module

@@ -147,25 +147,18 @@ def test_backward_matches_formula(M, d, dtype):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "d,block_n",
-    [(64, 32), (64, 16), (128, 128), (24, 16)],
-    ids=["d64-split32", "d64-split16", "d128-fused", "d24-split"],
+    "d,block_n,dtype,rows",
+    [(64, 32, torch.float32, 45), (64, 16, torch.float32, 45), (128, 128, torch.float32, 45),
+     (24, 16, torch.float32, 45), (128, None, torch.float16, 33)],
+    ids=["d64-split32", "d64-split16", "d128-fused", "d24-split", "d128-fp16-default"],
 )
-def test_backward_fused_and_split_paths(d, block_n):
-    v, ws, grad = _inputs(45, d, torch.float32, seed=1)
-    got = mlp_value_triton_backward(grad, v, *ws, block_n=block_n)
+def test_backward_fused_and_split_paths(d, block_n, dtype, rows):
+    v, ws, grad = _inputs(rows, d, dtype, seed=1)
+    kwargs = {} if block_n is None else {"block_n": block_n}
+    got = mlp_value_triton_backward(grad, v, *ws, **kwargs)
     _, want = _reference(v, ws, grad)
     for g, w in zip(got, want):
-        assert _rel_err(g, w) < TOL[torch.float32]
-
-
-@needs_triton
-def test_backward_fp16():
-    v, ws, grad = _inputs(33, 128, torch.float16)
-    got = mlp_value_triton_backward(grad, v, *ws)
-    _, want = _reference(v, ws, grad)
-    for g, w in zip(got, want):
-        assert _rel_err(g, w) < TOL[torch.float16]
+        assert _rel_err(g, w) < TOL[dtype]
 
 
 @needs_triton
