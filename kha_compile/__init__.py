@@ -13,7 +13,8 @@ import logging
 from .config import KHAConfig
 from .errors import KHAError
 from . import ops  # registers torch.ops.kha.*
-from .api import apply, inspect, load_pretrained, remove, save_pretrained
+from .api import apply, inspect, remove
+from .checkpoint import load_pretrained, save_pretrained
 from .passes.fold import fold
 from .exporters import export_onnx, export_tensorrt
 from .report import AttentionSite, Report

@@ -1040,7 +1040,7 @@ class _Deploy:
     """A read checkpoint, and per model the validated plan of where its transforms go."""
 
     def __init__(self, directory, example_args=(), example_kwargs=None):
-        from .api import read_checkpoint
+        from .checkpoint import read_checkpoint
 
         self.directory = str(directory)
         self.cfg, self.tensors = read_checkpoint(directory)
@@ -1055,14 +1055,15 @@ class _Deploy:
         return plan
 
     def _prepare(self, model: nn.Module) -> list[_DeployEntry]:
-        from .api import _analyse, checkpoint_misfit
+        from .api import analyse
+        from .checkpoint import checkpoint_misfit
         from .passes.insert import kha_modules
 
         name = type(model).__name__
         if kha_modules(model):
             raise KHAError(f"deploy: {name} already carries KHA transforms; compile it with backend='kha' "
                            "instead of backend=kc.backend(from_pretrained=...).")
-        report, plan = _analyse(model, self.cfg, self.example_args, self.example_kwargs)
+        report, plan = analyse(model, self.cfg, self.example_args, self.example_kwargs)
         if not report.matched:
             raise NoAttentionFoundError(f"deploy: kha_compile found no attention site in {name} to put the "
                                         f"checkpoint {self.directory!r} into.")
