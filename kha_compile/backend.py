@@ -1067,7 +1067,7 @@ class _Deploy:
         if not report.matched:
             raise NoAttentionFoundError(f"deploy: kha_compile found no attention site in {name} to put the "
                                         f"checkpoint {self.directory!r} into.")
-        unsupported = [p.module_path for p in plan if p.handler != "projection"]
+        unsupported = [p.module_path for p in plan if p.handler == "mha"]
         if unsupported:
             raise KHAError(f"deploy mode inserts transforms after projection modules only; {unsupported[:3]} "
                            "are nn.MultiheadAttention in-projections. Use kc.load_pretrained(model, ckpt) and "

@@ -7,7 +7,8 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError",
+    "ExportError", "BackendUnavailableError", "OpInputError", "UnknownTransformError", "UnsupportedModelError",
+    "UnsupportedLayoutError", "NotAppliedError", "RegistryError",
 ]
 
 
@@ -53,3 +54,23 @@ class BackendUnavailableError(KHAError, ImportError):
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class UnknownTransformError(KHAConfigError):
+    """A transform kind name is not registered (kha_compile.transforms)."""
+
+
+class UnsupportedModelError(KHAError):
+    """The model has a construct kha_compile cannot put KHA into (the message names it)."""
+
+
+class UnsupportedLayoutError(UnsupportedModelError):
+    """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
+
+
+class NotAppliedError(KHAError):
+    """The model carries no KHA transforms, and the call needs some (save, deploy)."""
+
+
+class RegistryError(KHAError, LookupError):
+    """A rule or projection-handler name is not registered."""
