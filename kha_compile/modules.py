@@ -23,7 +23,7 @@ from .transforms.mlp import KHAMLPValue
 
 __all__ = [
     "KHALinearTransform", "KHAMLPValue", "KHATransforms", "HeadSlot", "KHAProjection", "attach", "detach",
-    "is_kha_projection", "kha_class_for", "make_transform", "carries_kha", "attach_mha", "detach_mha",
+    "is_kha_projection", "kha_class_for", "make_transform", "carries_kha", "transforms_of", "attach_mha", "detach_mha",
     "KHAMultiheadAttention",
 ]
 
@@ -181,6 +181,12 @@ def is_kha_projection(module: nn.Module) -> bool:
 def carries_kha(module: nn.Module) -> bool:
     """True when ``module`` holds KHA transforms (a ``kha`` child), whichever handler attached them."""
     return isinstance(module._modules.get("kha"), KHATransforms)
+
+
+def transforms_of(module: nn.Module) -> KHATransforms:
+    """The ``kha`` child of a module that carries KHA (an empty one for a module that does not)."""
+    kha = module._modules.get("kha")
+    return kha if isinstance(kha, KHATransforms) else KHATransforms()
 
 
 def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str], out_features: int) -> nn.Module:

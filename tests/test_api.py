@@ -1,6 +1,7 @@
 """apply / inspect / save / load on the zoo of tiny models: matched, identity at init, wired, trainable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -221,7 +222,7 @@ def test_invalid_config_lists_the_allowed_values(field, value):
 
 def test_config_is_frozen_and_round_trips():
     cfg = kc.KHAConfig(q="linear")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.q = None
     assert kc.KHAConfig.from_dict(cfg.to_dict()) == cfg
     assert kc.KHAConfig() == kc.KHAConfig(q=None, k=None, v="mlp")

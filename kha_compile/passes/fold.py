@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FoldError
+from ..modules import transforms_of
 from ..transforms import kind_of
 from .handlers import handler_of, weight_out_axis
 from .insert import kha_modules
@@ -43,7 +44,7 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
-    mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in m.kha.items() if not kind_of(t).foldable]
+    mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in transforms_of(m).items() if not kind_of(t).foldable]
     if mlp and strict:
         shown = ", ".join(mlp[:4]) + (f" and {len(mlp) - 4} more" if len(mlp) > 4 else "")
         raise FoldError(f"cannot fold: MLP-value KHA is not linear and stays an op ({shown}). Nothing was changed. "
@@ -52,7 +53,7 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     # 1. compute every new tensor; nothing is written yet
     updates: list[tuple[nn.Module, str, Tensor]] = []
     for name, m in modules:
-        roles = [r for r, t in m.kha.items() if kind_of(t).foldable]
+        roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
         try:
             updates.extend((m, pname, value) for pname, value in handler_of(m).fold(m, roles))
         except FoldError as exc:
@@ -66,12 +67,12 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         for m, pname, value in updates:
             getattr(m, pname).copy_(value)
     folded = 0
-    for name, m in modules:
-        linear_roles = [r for r, t in m.kha.items() if kind_of(t).foldable]
+    for _, m in modules:
+        linear_roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
         folded += len(linear_roles)
         for r in linear_roles:
-            del m.kha[r]
-        if len(m.kha) == 0:
+            del transforms_of(m)[r]
+        if len(transforms_of(m)) == 0:
             handler_of(m).detach(m)
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from torch import nn
 
 from ..config import KHAConfig
-from ..kinds import SiteKind
-from ..modules import HeadSlot, carries_kha
+from ..kinds import Role, SiteKind
+from ..modules import HeadSlot, carries_kha, transforms_of
+from ..transforms import kind_of
 from ..report import AttentionSite
 from .handlers import PlanEntry, ProjectionHandler, choose_handler, get_handler
 from .layout import slot_from_map
@@ -40,7 +41,7 @@ def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
     if affine is None:
         return None
     offset, stride = affine
-    return HeadSlot(role, offset, hm.num_heads, hm.head_dim, stride)
+    return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
 
 def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: Optional[KHAConfig]
@@ -60,17 +61,18 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
             "mqa" if k.head_map.num_heads == 1 else "gqa")
         handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
-        kinds: dict[str, str] = dict(cfg.roles()) if cfg is not None else {}
+        kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
         note = MLA_NOTE if kind == "mla" else ""
         if kind == "mla" and kinds.get("v") == "mlp":
             kinds["v"] = "linear"
-        slots = {}
+        slots: dict[str, HeadSlot] = {}
         for r in kinds:
             handler = handlers[r][0]
             s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
             if s is None:
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
-            slots[r] = s
+            else:
+                slots[r] = s
         for name, rename in copies:
             if bad:
                 sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor))
@@ -101,7 +103,7 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
         return [(raw.name, lambda p: p)]
     list_path, pos = group
     traced_prefix = f"{list_path}.{pos}."
-    out = []
+    out: list[tuple[str, Callable[[str], str]]] = []
     for orig in cap.groups[list_path][pos]:
         real_prefix = f"{list_path}.{orig}."
         rename = (lambda p, a=traced_prefix, b=real_prefix: b + p[len(a):] if p.startswith(a) else p)
@@ -122,8 +124,9 @@ def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, 
             mod = model.get_submodule(paths[r])
         except AttributeError:
             continue
-        if carries_kha(mod) and r in mod.kha:
-            site.transforms[r] = mod.kha[r].kind
+        kha = transforms_of(mod)
+        if r in kha:
+            site.transforms[r] = kind_of(kha[r]).name
 
 
 def insert(model: nn.Module, plan: list[PlanEntry]) -> int:

@@ -58,10 +58,11 @@ class LinearKind(TransformKind):
         return x @ t  # (..., Dh) @ (Dh, Dh)
 
     def fold_matrix(self, module: nn.Module) -> Tensor:
-        return module.weight
+        weight: Tensor = getattr(module, "weight")
+        return weight
 
     def matrices(self, module: nn.Module) -> dict[str, Tensor]:
-        return {"T": module.weight.detach()}
+        return {"T": self.fold_matrix(module).detach()}
 
 
 LINEAR = register_transform(LinearKind())

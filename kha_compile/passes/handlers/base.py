@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError
-from ...modules import HeadSlot, KHAProjection, attach, detach
+from ...modules import HeadSlot, KHAProjection, attach, detach, transforms_of
 from ...transforms import kind_of
 from ..rows import fold_rows
 
@@ -93,8 +93,10 @@ class ProjectionHandler:
         raise FoldError(f"the {self.name!r} projection handler cannot fold KHA transforms. Nothing was changed.")
 
 
-def _base_forward(module: nn.Module) -> type:
-    return getattr(type(module), "_kha_base_class", type(module))
+def _base_class(module: nn.Module) -> type[nn.Module]:
+    """The module's class before KHA (its own class when it carries none)."""
+    cls: type[nn.Module] = getattr(type(module), "_kha_base_class", type(module))
+    return cls
 
 
 def weight_out_axis(module: nn.Module, out_features: Optional[int] = None) -> Optional[int]:
@@ -120,7 +122,7 @@ def weight_out_axis(module: nn.Module, out_features: Optional[int] = None) -> Op
     b = b.detach().float() if isinstance(b, Tensor) else 0.0
     w32 = w.detach().float()
     gen = torch.Generator().manual_seed(0)
-    forward = _base_forward(module).forward
+    forward = _base_class(module).forward
     tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 2e-2
     for axis, n_in, ref_w in ((1, w.shape[0], w32), (0, w.shape[1], w32.t())):
         x = torch.randn(2, n_in, generator=gen)
@@ -151,17 +153,18 @@ class ModuleProjectionHandler(ProjectionHandler):
         detach(module)
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
-        slots = [s for s in module._kha_slots if s.role in roles]
+        slots: list[HeadSlot] = [s for s in getattr(module, "_kha_slots") if s.role in roles]
         if not slots:
             return []
-        axis = weight_out_axis(module, module._kha_out_features)
+        axis = weight_out_axis(module, getattr(module, "_kha_out_features"))
         if axis is None:
-            raise FoldError(f"cannot fold into {_base_forward(module).__name__}: the orientation of its weight "
+            raise FoldError(f"cannot fold into {_base_class(module).__name__}: the orientation of its weight "
                             "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
                             "Nothing was changed.")
-        w, b = module.weight, getattr(module, "bias", None)
+        w: Tensor = getattr(module, "weight")
+        b: Optional[Tensor] = getattr(module, "bias", None)
         for s in slots:
-            kha = module.kha[s.role]
+            kha = transforms_of(module)[s.role]
             w, b = fold_rows(w, b, s, kind_of(kha).fold_matrix(kha), axis)
         out = [("weight", w)]
         if b is not None:

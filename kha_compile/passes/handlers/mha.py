@@ -5,12 +5,13 @@ slots are in the weight's row space (``param_space``), and fold rewrites the in-
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ...modules import HeadSlot, KHAMultiheadAttention, attach_mha, detach_mha
+from ...kinds import ROLES
+from ...modules import HeadSlot, KHAMultiheadAttention, attach_mha, detach_mha, transforms_of
 from ...transforms import kind_of
 from ..rows import fold_rows
 from .base import HANDLER_ATTR, PlanEntry, ProjectionHandler, owner_of
@@ -39,7 +40,7 @@ class MHAHandler(ProjectionHandler):
         return isinstance(module, KHAMultiheadAttention)
 
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
-        attach_mha(module, entry.kinds)  # type: ignore[arg-type]  (accepts() checked the class)
+        attach_mha(module, entry.kinds)  # type: ignore[arg-type]  # accepts() checked the class
         setattr(module, HANDLER_ATTR, self.name)
 
     def detach(self, module: nn.Module) -> None:
@@ -49,14 +50,16 @@ class MHAHandler(ProjectionHandler):
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         """New in-projection tensors with the linear transforms of ``roles`` folded in."""
         m = module
+        assert isinstance(m, KHAMultiheadAttention)  # owns() / attach() made it one
+        kha = transforms_of(m)
         E, H, Dh = m.embed_dim, m.num_heads, m.head_dim
-        todo = [(i, r, kind_of(m.kha[r]).fold_matrix(m.kha[r])) for i, r in enumerate("qkv") if r in roles]
+        todo = [(i, r, kind_of(kha[r]).fold_matrix(kha[r])) for i, r in enumerate(ROLES) if r in roles]
         if not todo:
             return []
-        bias = m.in_proj_bias
-        out = []
+        bias: Optional[Tensor] = m.in_proj_bias
+        out: list[tuple[str, Tensor]] = []
         if m._qkv_same_embed_dim:  # packed [Wq; Wk; Wv] rows
-            w = m.in_proj_weight
+            w: Tensor = m.in_proj_weight
             for i, r, t in todo:
                 w, bias = fold_rows(w, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0)
             out.append(("in_proj_weight", w))
