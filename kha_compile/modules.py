@@ -211,7 +211,7 @@ def detach(module: nn.Module) -> nn.Module:
     if not isinstance(module, KHAProjection):
         return module
     del module.kha
-    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout"):
+    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler"):
         module.__dict__.pop(attr, None)
     module.__class__ = type(module)._kha_base_class
     return module
@@ -340,6 +340,7 @@ def detach_mha(module: nn.Module) -> nn.Module:
         module._kha_hook.remove()
         del module._kha_hook
         del module.kha
+        module.__dict__.pop("_kha_handler", None)
         module.__class__ = nn.MultiheadAttention
     return module
 

@@ -28,3 +28,6 @@ class Conv1DHandler(ModuleProjectionHandler):
             return False, ""
         out_features = int(m.projection.feature_map.numel())
         return (weight_out_axis(owner, out_features) == 1), ""
+
+    def owns(self, module: nn.Module) -> bool:
+        return super().owns(module) and weight_out_axis(module, getattr(module, "_kha_out_features", None)) == 1

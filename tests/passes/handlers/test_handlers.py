@@ -11,6 +11,7 @@ from kha_compile.api import analyse
 from kha_compile.passes import handlers
 from kha_compile.passes.handlers import get_handler, handler_of, projection_handlers, register_handler, weight_out_axis
 from kha_compile.passes.handlers.linear import LinearHandler
+from kha_compile.passes.insert import kha_modules
 
 import zoo
 from helpers import kha_params, perturb, run
@@ -125,3 +126,13 @@ def test_a_handler_registered_first_wins_and_fold_and_remove_go_through_it(count
     kc.apply(case.model, kc.KHAConfig(v="mlp"))
     kc.remove(case.model)
     assert counting.calls["detach"] == 4 and not kha_params(case.model)
+
+
+def test_a_module_without_a_recorded_handler_is_found_by_ownership():
+    """Models pickled before handlers were recorded: fold and remove still find the owner."""
+    for name, expected in (("gpt2", "conv1d"), ("llama", "linear"), ("torch_encoder", "mha")):
+        case = zoo.make(name)
+        kc.apply(case.model, kc.KHAConfig(v="linear"), *case.example)
+        for _, m in kha_modules(case.model):
+            del m.__dict__["_kha_handler"]
+            assert handler_of(m).name == expected
