@@ -158,9 +158,9 @@ def test_onnxruntime_matches_torch(exported, shape):
 
 def test_batch_and_sequence_are_dynamic_and_named(exported):
     summary = onnx_summary(exported[1])
-    assert [str(i) for i in summary.inputs] == [f"x: float32[batch, seq, {D}]"]
-    assert summary.inputs[0].dynamic_axes == {0: "batch", 1: "seq"}
-    assert summary.outputs[0].dims == ("batch", "seq", D)
+    assert [str(i) for i in summary.inputs] == [f"x: float32[batch, sequence, {D}]"]
+    assert summary.inputs[0].dynamic_axes == {0: "batch", 1: "sequence"}
+    assert [str(o) for o in summary.outputs] == [f"output: float32[batch, sequence, {D}]"]
 
 
 class FixedLength(nn.Module):
@@ -214,7 +214,7 @@ def test_a_pinned_axis_comes_out_fixed_and_a_model_without_kha_is_not_folded(
     assert folds == []                                             # no KHA: no copy, no fold
     assert onnx_summary(path).inputs[0].dims == ("batch", 4, D)    # a batch of 1 stays dynamic
     (record,) = [r for r in caplog.records if "fixed size" in r.getMessage()]
-    assert "'x' axis 1 (seq)" in record.getMessage()
+    assert "'x' axis 1 (sequence)" in record.getMessage()
 
 
 def test_plain_model_has_no_custom_nodes_or_functions(tmp_path):
@@ -259,8 +259,8 @@ def test_image_input_has_only_a_dynamic_batch(tmp_path):
 
 
 @pytest.mark.parametrize("name, ndim, axes", [
-    ("x", 3, {0: "batch", 1: "seq"}),
-    ("input_ids", 2, {0: "batch", 1: "seq"}),
+    ("x", 3, {0: "batch", 1: "sequence"}),
+    ("input_ids", 2, {0: "batch", 1: "sequence"}),
     ("pixel_values", 4, {0: "batch"}),
     ("image_embeds", 3, {0: "batch"}),
     ("attention_mask", 4, {0: "batch"}),
@@ -294,8 +294,8 @@ def test_transformers_model_with_kha_and_no_example_inputs(tmp_path):
     summary = onnx_summary(path)
     assert summary.num_custom_nodes == cfg.num_hidden_layers
     dims = {i.name: i.dims for i in summary.inputs}
-    assert dims["input_ids"] == ("batch", "seq")
-    assert dims["attention_mask"][1] == "seq"
+    assert dims == {"input_ids": ("batch", "sequence"), "attention_mask": ("batch", "sequence")}
+    assert [str(o) for o in summary.outputs] == ["logits: float32[batch, sequence, 64]"]
     ids = torch.randint(0, 64, (3, 5))
     mask = torch.ones(3, 5, dtype=torch.long)
     (y,) = ort.InferenceSession(str(path)).run(
