@@ -17,7 +17,8 @@ import inspect
 import logging
 import os
 import pathlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,10 +28,20 @@ from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 
 __all__ = [
-    "MLP_VALUE_DOMAIN", "MLP_VALUE_OP", "MLP_VALUE_DOMAIN_VERSION", "PLUGIN_NAMESPACE",
-    "PLUGIN_VERSION", "PLUGIN_ID", "TensorInfo", "OnnxSummary", "export_onnx", "onnx_summary",
-    "mlp_value_function", "dynamic_axes_for",
-    "read_kha_metadata", "METADATA_KEYS",
+    "METADATA_KEYS",
+    "MLP_VALUE_DOMAIN",
+    "MLP_VALUE_DOMAIN_VERSION",
+    "MLP_VALUE_OP",
+    "PLUGIN_ID",
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION",
+    "OnnxSummary",
+    "TensorInfo",
+    "dynamic_axes_for",
+    "export_onnx",
+    "mlp_value_function",
+    "onnx_summary",
+    "read_kha_metadata",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,9 +99,9 @@ class OnnxSummary:
 
     def __str__(self) -> str:
         lines = [
-            f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
+            (f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
             f"{self.num_custom_nodes} {MLP_VALUE_DOMAIN}::{MLP_VALUE_OP}, "
-            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}"]
+            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}")]
         for kind, infos in (("input", self.inputs), ("output", self.outputs)):
             for info in infos:
                 axes = info.dynamic_axes

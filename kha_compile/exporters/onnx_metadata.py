@@ -8,9 +8,10 @@ key                         value
 ``kha_compile.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
 ``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
                             ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
-``kha_compile.folded``      JSON bool: the linear transforms were folded into the weights in this file
+``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights
 ==========================  ==========================================================================
 """
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,29 @@ from torch import nn
 
 from ..errors import ExportError, KHAError
 
-__all__ = ["METADATA_PREFIX", "METADATA_KEYS", "kha_metadata", "read_kha_metadata"]
+__all__ = ["METADATA_KEYS", "METADATA_PREFIX", "kha_metadata", "read_kha_metadata"]
 
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "kha_compile."
-METADATA_KEYS = tuple(METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded"))
-_SITE_FIELDS = ("name", "kind", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "transforms")
+METADATA_KEYS = tuple(
+    METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded")
+)
+_SITE_FIELDS = (
+    "name",
+    "kind",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "v_head_dim",
+    "transforms",
+)
 _JSON_KEYS = ("config", "sites", "folded")
 
 
-def kha_metadata(model: nn.Module, args: tuple, kwargs: dict, folded: bool) -> dict[str, str]:
+def kha_metadata(
+    model: nn.Module, args: tuple, kwargs: dict, folded: bool
+) -> dict[str, str]:
     """The ``metadata_props`` entries for ``model`` (the caller's, before any fold).
 
     The sites come from :func:`kha_compile.inspect` on the export's example inputs; a model
@@ -51,14 +64,30 @@ def kha_metadata(model: nn.Module, args: tuple, kwargs: dict, folded: bool) -> d
         try:
             report = inspect_model(model, args, kwargs)
             sites = [{f: getattr(s, f) for f in _SITE_FIELDS} for s in report.matched]
-        except KHAError as e:        # the export itself traced: record that the sites are unknown
-            log.warning("the ONNX metadata has no KHA sites: kc.inspect failed on %s: %s",
-                        type(model).__name__, e)
+        except (
+            KHAError
+        ) as e:  # the export itself traced: record that the sites are unknown
+            log.warning(
+                "the ONNX metadata has no KHA sites: kc.inspect failed on %s: %s",
+                type(model).__name__,
+                e,
+            )
             sites = None
-    values: dict[str, Any] = {"version": __version__, "kha": "applied" if has_kha else "none",
-                              "config": config, "sites": sites, "folded": bool(has_kha and folded)}
-    return {METADATA_PREFIX + k: (json.dumps(v, sort_keys=True) if k in _JSON_KEYS else str(v))
-            for k, v in values.items()}
+    values: dict[str, Any] = {
+        "version": __version__,
+        "kha": "applied" if has_kha else "none",
+        "config": config,
+        "sites": sites,
+        "folded": bool(
+            folded and config and "linear" in (config["q"], config["k"], config["v"])
+        ),
+    }
+    return {
+        METADATA_PREFIX + k: (
+            json.dumps(v, sort_keys=True) if k in _JSON_KEYS else str(v)
+        )
+        for k, v in values.items()
+    }
 
 
 def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
@@ -85,13 +114,15 @@ def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
     for prop in model.metadata_props:
         if not prop.key.startswith(METADATA_PREFIX):
             continue
-        key = prop.key[len(METADATA_PREFIX):]
+        key = prop.key[len(METADATA_PREFIX) :]
         if key in _JSON_KEYS:
             try:
                 out[key] = json.loads(prop.value)
             except json.JSONDecodeError as e:
-                raise ExportError(f"ONNX metadata {prop.key!r} is not valid JSON ({e}); the file "
-                                  f"was not written by kha_compile.export_onnx or was edited.") from e
+                raise ExportError(
+                    f"ONNX metadata {prop.key!r} is not valid JSON ({e}); the file "
+                    f"was not written by kha_compile.export_onnx or was edited."
+                ) from e
         else:
             out[key] = prop.value
     return out

@@ -5,12 +5,14 @@ independent sequence length gets ``<input>_sequence``). Graph outputs are named 
 own output fields (``logits``, ``last_hidden_state``, ``pooler_output``) read from the exported
 program's output spec; a plain tensor output is ``output``, a tuple's are ``output_0..n``.
 """
+
 from __future__ import annotations
 
 import inspect
 import logging
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +20,15 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ExportNamesError
 
-__all__ = ["BATCH_AXIS", "SEQUENCE_AXIS", "dynamic_axes_for", "dynamic_shapes", "name_dynamic_dims",
-           "output_names_of", "rename_io"]
+__all__ = [
+    "BATCH_AXIS",
+    "SEQUENCE_AXIS",
+    "dynamic_axes_for",
+    "dynamic_shapes",
+    "name_dynamic_dims",
+    "output_names_of",
+    "rename_io",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +66,10 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any
 
     def spec(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {axis: torch.export.Dim.AUTO for axis in dynamic_axes_for(name, value.dim())} or None
+            return {
+                axis: torch.export.Dim.AUTO
+                for axis in dynamic_axes_for(name, value.dim())
+            } or None
         if isinstance(value, dict):
             return {k: spec(str(k), v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -78,8 +90,11 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
     """
     import onnx_ir as ir
 
-    fixed = {str(sym): int(vr.lower) for sym, vr in range_constraints.items()
-             if vr.lower == vr.upper and getattr(vr.lower, "is_integer", False)}
+    fixed = {
+        str(sym): int(vr.lower)
+        for sym, vr in range_constraints.items()
+        if vr.lower == vr.upper and getattr(vr.lower, "is_integer", False)
+    }
     graph = ir_model.graph
     mapping: dict[str, str | int] = {}
     for value in graph.inputs:
@@ -90,8 +105,14 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
             symbol = dim.value if isinstance(dim, ir.SymbolicDim) else None
             if symbol is None or symbol in fixed:
                 size = fixed.get(symbol, dim) if symbol is not None else dim
-                log.warning("input %r axis %d (%s) is exported as the fixed size %s: the model "
-                            "allows no other", value.name, axis, wanted, size)
+                log.warning(
+                    "input %r axis %d (%s) is exported as the fixed size %s: the model "
+                    "allows no other",
+                    value.name,
+                    axis,
+                    wanted,
+                    size,
+                )
                 if symbol is not None:
                     mapping[symbol] = size
                 continue
@@ -110,7 +131,11 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
         return ir.SymbolicDim(pattern.sub(lambda m: str(mapping[m.group(1)]), d.value))
 
     values = list(graph.inputs) + list(graph.outputs)
-    values += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
+    values += [
+        out
+        for node in ir.traversal.RecursiveGraphIterator(graph)
+        for out in node.outputs
+    ]
     for value in values:
         if value.shape is not None:
             value.shape = ir.Shape([rename(d) for d in value.shape])
@@ -119,6 +144,7 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
 # --------------------------------------------------------------------------------------------
 # Output and input names
 # --------------------------------------------------------------------------------------------
+
 
 def output_names_of(out_spec: Any) -> list[str]:
     """Names of the flattened outputs of a call whose output pytree has spec ``out_spec``.
@@ -134,7 +160,10 @@ def output_names_of(out_spec: Any) -> list[str]:
     tree = pytree.tree_unflatten(placeholders, out_spec)
     names = []
     for path, _ in pytree.tree_flatten_with_path(tree)[0]:
-        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        parts = [
+            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+            for k in path
+        ]
         if not parts:
             names.append("output")
         elif isinstance(path[0], pytree.SequenceKey):
@@ -148,23 +177,35 @@ def _default_output_names(count: int) -> list[str]:
     return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
 
-def _check_names(kind: str, given: Sequence[str], current: Sequence[str], model_name: str) -> None:
+def _check_names(
+    kind: str, given: Sequence[str], current: Sequence[str], model_name: str
+) -> None:
     if isinstance(given, str) or not all(isinstance(n, str) and n for n in given):
-        raise ExportNamesError(f"{kind}_names must be a list of non-empty strings, one per {kind}; "
-                               f"got {given!r}.")
+        raise ExportNamesError(
+            f"{kind}_names must be a list of non-empty strings, one per {kind}; "
+            f"got {given!r}."
+        )
     if len(given) != len(current):
         raise ExportNamesError(
             f"{kind}_names has {len(given)} name(s) but the exported {model_name} has "
             f"{len(current)} {kind}(s): {', '.join(current)}. Give one name per {kind}, in that "
-            f"order.")
+            f"order."
+        )
     dupes = sorted({n for n in given if list(given).count(n) > 1})
     if dupes:
-        raise ExportNamesError(f"{kind}_names repeats {', '.join(map(repr, dupes))}; ONNX names "
-                               f"must be unique.")
+        raise ExportNamesError(
+            f"{kind}_names repeats {', '.join(map(repr, dupes))}; ONNX names "
+            f"must be unique."
+        )
 
 
-def rename_io(ir_model: Any, out_spec: Any, model_name: str, input_names: Sequence[str] | None,
-              output_names: Sequence[str] | None) -> None:
+def rename_io(
+    ir_model: Any,
+    out_spec: Any,
+    model_name: str,
+    input_names: Sequence[str] | None,
+    output_names: Sequence[str] | None,
+) -> None:
     """Name the graph outputs after the model's output fields (or ``output_names``) and, with
     ``input_names``, rename the graph inputs. :class:`ExportNamesError` for a wrong count."""
     import onnx_ir as ir
@@ -177,14 +218,29 @@ def rename_io(ir_model: Any, out_spec: Any, model_name: str, input_names: Sequen
     if out_spec is not None:
         try:
             derived = output_names_of(out_spec)
-        except Exception as e:          # an output type pytree cannot rebuild: defaults then
-            log.warning("could not read the output names of %s (%s: %s); using defaults",
-                        model_name, type(e).__name__, e)
+        except (
+            TypeError,
+            ValueError,
+            KeyError,
+            AttributeError,
+            RuntimeError,
+        ) as e:  # cannot rebuild
+            log.warning(
+                "could not read the output names of %s (%s: %s); using defaults",
+                model_name,
+                type(e).__name__,
+                e,
+            )
     if derived is None or len(derived) != len(outputs):
         if derived is not None:
-            log.warning("%s returns %d values (%s) but the ONNX graph has %d outputs; using "
-                        "default output names", model_name, len(derived), ", ".join(derived),
-                        len(outputs))
+            log.warning(
+                "%s returns %d values (%s) but the ONNX graph has %d outputs; using "
+                "default output names",
+                model_name,
+                len(derived),
+                ", ".join(derived),
+                len(outputs),
+            )
         derived = _default_output_names(len(outputs))
     if len(set(derived)) != len(derived):
         derived = _default_output_names(len(outputs))
@@ -197,7 +253,9 @@ def rename_io(ir_model: Any, out_spec: Any, model_name: str, input_names: Sequen
         renames += list(zip(graph.inputs, input_names))
     seen: set[int] = set()
     for i, value in enumerate(outputs):
-        if value.is_graph_input() or id(value) in seen:      # a passthrough or a repeated value
+        if (
+            value.is_graph_input() or id(value) in seen
+        ):  # a passthrough or a repeated value
             node = ir.Node("", "Identity", [value], num_outputs=1)
             graph.append(node)
             node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
@@ -214,15 +272,21 @@ def _apply_renames(graph: Any, renames: list[tuple[Any, str]]) -> None:
     targets = {id(v) for v, _ in renames}
     wanted = {name for _, name in renames}
     everything = list(graph.inputs) + list(graph.initializers.values())
-    everything += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
+    everything += [
+        out
+        for node in ir.traversal.RecursiveGraphIterator(graph)
+        for out in node.outputs
+    ]
     names = {v.name for v in everything if v.name}
     for value in everything:
         if id(value) in targets or value.name not in wanted:
             continue
         if value.is_initializer() or value.is_graph_input():
-            raise ExportNamesError(f"the name {value.name!r} is already taken by a graph "
-                                   f"{'weight' if value.is_initializer() else 'input'}; choose "
-                                   f"another one.")
+            raise ExportNamesError(
+                f"the name {value.name!r} is already taken by a graph "
+                f"{'weight' if value.is_initializer() else 'input'}; choose "
+                f"another one."
+            )
         n = 1
         while f"{value.name}_{n}" in names or f"{value.name}_{n}" in wanted:
             n += 1
