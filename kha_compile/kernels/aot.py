@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = ("fp32", "fp16", "bf16")
-KERNELS = ("fwd", "bwd_fused", "bwd_dv", "bwd_dw")
+KERNELS = ("fwd", "bwd_fused", "bwd_dv", "bwd_dw")  # the launches of the runtime
+# "fwd_plugin": the forward in TensorRT's argument order (kha_compile.exporters.tensorrt_aot); not swept
 # Largest dynamic shared memory one block may opt into, per compute capability (CUDA programming
 # guide, "Technical Specifications per Compute Capability").
 SHARED_LIMITS: dict[int, int] = {
@@ -106,6 +107,8 @@ class KernelVariant:
 
     def arg_names(self) -> list[str]:
         """The kernel's runtime arguments, in launch order (constexprs left out)."""
+        if self.kernel == "fwd_plugin":  # TensorRT's order: inputs, scalars, outputs
+            return ["v_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "M", "y_ptr"]
         if self.kernel == "fwd":
             return ["v_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "y_ptr", "M", "stride_vm", "stride_ym", "M_BUCKET"]
         return ["v_ptr", "go_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "gv_ptr", "ws_ptr",
@@ -124,6 +127,8 @@ class KernelVariant:
         """Compile-time constants of the launch, as the runtime passes them on a GPU."""
         D = self.padded_dim
         c: dict[str, Any] = {"d": self.head_dim, "D": D, "BLOCK_M": self.block_m}
+        if self.kernel == "fwd_plugin":
+            return {**c, "PRECISION": self.precision}
         if self.kernel != "fwd":
             c["BLOCK_N"] = D if self.kernel in ("bwd_fused", "bwd_dv") else self.block_n
             c["COMPUTE_DV"] = self.kernel in ("bwd_fused", "bwd_dv")
@@ -282,7 +287,7 @@ def _compile(v: KernelVariant, arch: str) -> tuple[KernelRecord, CompiledKernel 
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        fn = jit._fwd if v.kernel == "fwd" else jit._bwd
+        fn = {"fwd": jit._fwd, "fwd_plugin": jit._fwd_plugin}.get(v.kernel, jit._bwd)
         src = ASTSource(fn=fn, signature=v.signature(), constexprs=v.constexprs(), attrs=v.attrs())
         target = GPUTarget("cuda", cc, 32)
         with contextlib.redirect_stdout(io.StringIO()) as out:  # triton prints ptxas failures
@@ -349,16 +354,14 @@ def _jit_module() -> tuple[Any, Any]:
 
 @contextlib.contextmanager
 def _interpret_off(knobs: Any):
+    """TRITON_INTERPRET off while the kernels' decorators run; the knob and environment restored after."""
     runtime = getattr(knobs, "runtime", None)
-    if runtime is None or not hasattr(runtime, "interpret"):
+    if runtime is None or not hasattr(runtime, "scope"):
         yield
         return
-    old = runtime.interpret
-    runtime.interpret = False
-    try:
+    with runtime.scope():  # restores triton's runtime knobs and their environment variables
+        runtime.interpret = False
         yield
-    finally:
-        runtime.interpret = old
 
 
 def _nvidia_tool(name: str, cc: int = 90) -> str:

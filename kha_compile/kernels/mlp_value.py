@@ -203,6 +203,7 @@ class _KernelSet:
 
     def __init__(self, jit: Any, autotune: bool, do_bench: Any = None) -> None:
         self.fwd, self.bwd = jit._fwd, jit._bwd
+        self.fwd_plugin = jit._fwd_plugin  # the forward in TensorRT's AOT-plugin argument order
         self.autotune = autotune
         self._do_bench = do_bench
         self._tuners: dict[tuple[str, str], Any] = {}

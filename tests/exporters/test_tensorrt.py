@@ -11,6 +11,7 @@ import torch
 
 from kha_compile.errors import BackendUnavailableError, ExportError, OpInputError
 from kha_compile.exporters import tensorrt as trt_export
+from kha_compile.exporters import tensorrt_plugin as trt_plugin
 from kha_compile.exporters.onnx import PLUGIN_ID, TensorInfo
 from kha_compile.exporters.tensorrt import (
     BuildPlan, build_plan, export_tensorrt, mlp_value_output_dtype, mlp_value_output_shape,
@@ -179,7 +180,7 @@ def test_no_gpu_is_backend_unavailable_naming_the_gpu(monkeypatch, onnx_file, tm
 ])
 def test_run_and_register_need_tensorrt(monkeypatch, call):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    monkeypatch.setattr(trt_export, "_PLUGIN_REGISTERED", False)
+    monkeypatch.setattr(trt_plugin, "_PLUGIN_REGISTERED", False)
     with pytest.raises(BackendUnavailableError, match="pip install tensorrt"):
         call()
 
@@ -254,7 +255,7 @@ def fake_plugin_api(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(trt_export, "_PLUGIN_REGISTERED", False)
+    monkeypatch.setattr(trt_plugin, "_PLUGIN_REGISTERED", False)
     return registered
 
 
