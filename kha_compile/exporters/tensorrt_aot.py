@@ -113,9 +113,10 @@ def plugin_kernel(dtype: str, head_dim: int, arch: str) -> PluginKernel:
     from ..kernels.aot import KernelVariant, compile_kernel, kernel_variants
 
     dtype = PLUGIN_DTYPES.get(dtype, dtype)
-    candidates = kernel_variants([dtype], [head_dim], ["fwd"])
+    candidates = kernel_variants([dtype], [head_dim], ["fwd"], arch)
     if not candidates:
-        raise KernelCompileError(f"the MLP-value kernels take head sizes 1..128; got d={head_dim}.")
+        raise KernelCompileError(f"the MLP-value kernels take head sizes 1..128 (fp32: 1..64); got d={head_dim} "
+                                 f"in {dtype}.")
     reasons = []
     for cand in candidates:
         variant = KernelVariant("fwd_plugin", dtype, head_dim, cand.block_m, None, cand.num_warps, cand.num_stages)

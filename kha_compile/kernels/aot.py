@@ -176,36 +176,39 @@ def parse_arch(arch: str | int) -> int:
 
 
 def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = HEAD_DIMS,
-                    kernels: Iterable[str] = KERNELS) -> list[KernelVariant]:
-    """Every variant the runtime launches for these dtypes and head sizes (each shipped autotune config).
+                    kernels: Iterable[str] = KERNELS, arch: str | int | None = None) -> list[KernelVariant]:
+    """Every variant the op launches for these dtypes and head sizes (each autotune config it ships).
 
-    Head sizes above the kernels' ``MAX_D`` get no variants (the op uses the composite there).
+    With ``arch``, the configs the runtime uses on that architecture; without, all candidates.
+    Head sizes the op does not send to the kernels (``triton_supports``: d > 128, fp32 at d > 64)
+    get no variants.
 
     Example::
 
-        kernel_variants(["bf16"], [64], ["fwd"])     # one per ("fwd", "16bit") config
+        kernel_variants(["bf16"], [64], ["fwd"], "sm_90")     # one per ("fwd", "16bit") config
     """
-    from .mlp_value import _CONFIGS, MAX_D
+    import torch
 
+    from .mlp_value import _config_class, _padded_d, configs_for, launch_supported, triton_supports
+
+    cc = None if arch is None else parse_arch(arch)
     kernels = tuple(kernels)
     out: list[KernelVariant] = []
     for dtype in dtypes:
         if dtype not in DTYPES:
             raise KernelCompileError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
+        tdtype = getattr(torch, _TORCH_DTYPES[dtype])
         for d in head_dims:
-            if d > MAX_D:
+            if not triton_supports(d, tdtype):
                 continue
-            D = max(16, 1 << max(0, (d - 1).bit_length()))
-            cls = "fp32" if dtype == "fp32" else "16bit"
-            launches = [("fwd", ("fwd", "16bit-d128" if cls == "16bit" and D >= 128 else cls))]
-            if D <= 64:
-                launches.append(("bwd_fused", ("fused", cls)))
-            else:
-                launches += [("bwd_dv", ("dv", cls)), ("bwd_dw", ("dw", cls))]
-            for kernel, key in launches:
-                if kernel not in kernels:
+            D = _padded_d(d)
+            launches = [("fwd", "fwd")] + ([("bwd_fused", "fused")] if D <= 64 else
+                                           [("bwd_dv", "dv"), ("bwd_dw", "dw")])
+            for kernel, kind in launches:
+                direction = "forward" if kind == "fwd" else "backward"
+                if kernel not in kernels or not launch_supported(direction, d, tdtype, cc):
                     continue
-                for bm, bn, warps, stages in _CONFIGS[key]:
+                for bm, bn, warps, stages in configs_for(kind, _config_class(kind, D, tdtype), D, cc):
                     out.append(KernelVariant(kernel, dtype, d, bm, bn if kernel == "bwd_dw" else None,
                                              warps, stages))
     return out
@@ -216,9 +219,10 @@ def compile_variants(archs: list[str], *, dtypes: Iterable[str] = DTYPES,
                      kernels: Iterable[str] = KERNELS) -> list[KernelRecord]:
     """Compile every kernel variant for each architecture; one :class:`KernelRecord` per variant and arch.
 
-    Head sizes the kernels do not take (above ``MAX_D``) get one ``ok=False`` record per kernel
-    and dtype saying so. Raises only for an unknown architecture name or dtype; a failed compile,
-    too much shared memory or a missing Triton is a record with ``ok=False`` and its reason.
+    What the op does not run on the kernels (d > 128, fp32 at d > 64, a backward with no config
+    that fits the arch) gets one ``ok=False`` record per direction saying so, with no registers.
+    Raises only for an unknown architecture name or dtype; a failed compile, too much shared
+    memory or a missing Triton is a record with ``ok=False`` and its reason.
     Progress is logged at INFO (a full sweep is about 150 compiles per arch, seconds each).
 
     Example::
@@ -226,29 +230,34 @@ def compile_variants(archs: list[str], *, dtypes: Iterable[str] = DTYPES,
         records = compile_variants(["sm_90"], dtypes=["bf16"], head_dims=[64], kernels=["fwd"])
         print(max(r.registers for r in records if r.ok))
     """
-    from .mlp_value import MAX_D
+    import torch
+
+    from .mlp_value import launch_supported, triton_supports
 
     head_dims, dtypes, kernels = tuple(head_dims), tuple(dtypes), tuple(kernels)
     ccs = [(arch, parse_arch(arch)) for arch in archs]
-    variants = kernel_variants(dtypes, head_dims, kernels)
+    plan = [(arch, v) for arch, _ in ccs for v in kernel_variants(dtypes, head_dims, kernels, arch)]
     records: list[KernelRecord] = []
-    total = len(ccs) * len(variants)
-    logger.info("compiling %d kernel variants for %s", total, ", ".join(a for a, _ in ccs))
-    done = 0
-    for arch, _cc in ccs:
-        for d in (d for d in head_dims if d > MAX_D):
-            for dtype in dtypes:
-                for kernel in (k for k in kernels if k != "bwd_fused"):
-                    records.append(KernelRecord(
-                        kernel, arch, dtype, d, {}, ok=False,
-                        reason=f"head dim {d} > {MAX_D}: the Triton kernels take d <= {MAX_D} "
-                               "(kha::mlp_value runs the composite formula there)"))
-        for v in variants:
-            done += 1
-            rec = _compile(v, arch)[0]
-            records.append(rec)
-            logger.info("[%d/%d] %s %s %s d=%d %s: %s", done, total, arch, v.kernel, v.dtype, v.head_dim,
-                        v.config, _summary(rec))
+    logger.info("compiling %d kernel variants for %s", len(plan), ", ".join(a for a, _ in ccs))
+    for arch, cc in ccs:  # what the op does not run on the kernels there: one record per direction, saying why
+        for dtype in dtypes:
+            tdtype = getattr(torch, _TORCH_DTYPES[dtype])
+            for d in head_dims:
+                for direction, kernel in (("forward", "fwd"), ("backward", "bwd")):
+                    if not triton_supports(d, tdtype):
+                        why = (f"head dim {d}: kha::mlp_value runs the composite formula (cuBLAS) for {dtype} "
+                               f"at this size; the Triton kernels take d <= 128 (fp32: d <= 64)")
+                    elif not launch_supported(direction, d, tdtype, cc):
+                        why = (f"no {direction} config fits {arch} at head dim {d} ({dtype}); kha::mlp_value "
+                               f"runs the composite formula (cuBLAS) there")
+                    else:
+                        continue
+                    records.append(KernelRecord(kernel, arch, dtype, d, {}, ok=False, reason=why))
+    for i, (arch, v) in enumerate(plan, 1):
+        rec = _compile(v, arch)[0]
+        records.append(rec)
+        logger.info("[%d/%d] %s %s %s d=%d %s: %s", i, len(plan), arch, v.kernel, v.dtype, v.head_dim,
+                    v.config, _summary(rec))
     return records
 
 
