@@ -17,21 +17,34 @@ import logging
 import os
 import pathlib
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import ExportError, KHAError
 from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
 from .tensorrt_plugin import (
-    _PLUGIN_DTYPES, _import_tensorrt, aot_registered, mlp_value_output_dtype, mlp_value_output_shape,
+    _PLUGIN_DTYPES,
+    _import_tensorrt,
+    aot_registered,
+    mlp_value_output_dtype,
+    mlp_value_output_shape,
     register_mlp_value_plugin,
 )
 
 __all__ = [
-    "PRECISIONS", "DEFAULT_DIM_RANGES", "BuildPlan", "mlp_value_output_shape",
-    "mlp_value_output_dtype", "profile_shapes", "build_plan", "onnx_float_dtype",
-    "register_mlp_value_plugin", "export_tensorrt", "run_engine",
+    "DEFAULT_DIM_RANGES",
+    "PRECISIONS",
+    "BuildPlan",
+    "build_plan",
+    "export_tensorrt",
+    "mlp_value_output_dtype",
+    "mlp_value_output_shape",
+    "onnx_float_dtype",
+    "profile_shapes",
+    "register_mlp_value_plugin",
+    "run_engine",
 ]
 
 log = logging.getLogger(__name__)

@@ -24,14 +24,21 @@ Example::
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import KernelCompileError, OpInputError
 from .onnx import MLP_VALUE_OP, PLUGIN_NAMESPACE
 
 __all__ = [
-    "PLUGIN_ARGS", "PLUGIN_DTYPES", "PluginKernel", "plugin_extents", "launch_grid", "plugin_kernel",
-    "mark_aot_nodes", "register_mlp_value_aot_impl",
+    "PLUGIN_ARGS",
+    "PLUGIN_DTYPES",
+    "PluginKernel",
+    "launch_grid",
+    "mark_aot_nodes",
+    "plugin_extents",
+    "plugin_kernel",
+    "register_mlp_value_aot_impl",
 ]
 
 log = logging.getLogger(__name__)

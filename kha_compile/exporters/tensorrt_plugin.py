@@ -15,14 +15,15 @@ Note: this module avoids ``from __future__ import annotations``: ``tensorrt.plug
 the annotations of the descriptor function as real classes.
 """
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import BackendUnavailableError, OpInputError
 from .onnx import PLUGIN_ID
 
-__all__ = ["mlp_value_output_shape", "mlp_value_output_dtype", "register_mlp_value_plugin", "aot_registered"]
+__all__ = ["aot_registered", "mlp_value_output_dtype", "mlp_value_output_shape", "register_mlp_value_plugin"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _import_tensorrt() -> Any:
     trt = None
     try:
         import tensorrt as trt
-        import tensorrt.plugin  # noqa: F401  (TensorRT >= 10.7)
+        import tensorrt.plugin
     except ImportError as e:
         found = f" (found tensorrt {trt.__version__}, which has no tensorrt.plugin)" if trt else ""
         missing.append(f"the `tensorrt` Python package, version >= 10.7{found} ({e})")
@@ -193,7 +194,11 @@ def _mlp_value_kernel() -> Callable:
     from ..ops.mlp_value import mlp_value_reference
 
     try:
-        from ..kernels import mlp_value_triton_forward, triton_available, triton_supports
+        from ..kernels import (
+            mlp_value_triton_forward,
+            triton_available,
+            triton_supports,
+        )
     except ImportError:
         triton_available = None
     if triton_available is None or not triton_available():

@@ -29,13 +29,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..errors import BackendUnavailableError, KernelCompileError
 
 __all__ = [
-    "KernelRecord", "KernelVariant", "CompiledKernel", "SHARED_LIMITS", "HEAD_DIMS", "DTYPES",
-    "KERNELS", "parse_arch", "kernel_variants", "compile_kernel", "compile_variants",
+    "DTYPES",
+    "HEAD_DIMS",
+    "KERNELS",
+    "SHARED_LIMITS",
+    "CompiledKernel",
+    "KernelRecord",
+    "KernelVariant",
+    "compile_kernel",
+    "compile_variants",
+    "kernel_variants",
+    "parse_arch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -189,7 +199,13 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
     """
     import torch
 
-    from .mlp_value import _config_class, _padded_d, configs_for, launch_supported, triton_supports
+    from .mlp_value import (
+        _config_class,
+        _padded_d,
+        configs_for,
+        launch_supported,
+        triton_supports,
+    )
 
     cc = None if arch is None else parse_arch(arch)
     kernels = tuple(kernels)
@@ -337,7 +353,7 @@ def _jit_module() -> tuple[Any, Any]:
     try:
         import triton
         from triton.runtime.jit import JITFunction
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise BackendUnavailableError(f"compiling the kernels needs Triton (pip install triton): {e}") from e
     name = f"{__package__}._mlp_value_jit_aot"
     path = os.path.join(os.path.dirname(__file__), "_mlp_value_jit.py")

@@ -47,7 +47,11 @@ Backward (a fused kernel for d <= 64; a FlashAttention-2 style split into two la
 
     Row groups P: 2 per SM (persistent); in the split, the column blocks of a row group share them.
     BLOCK_M (and the split's BLOCK_N in {32, 64}) are autotuned on the GPU, from config lists that
-    compile for sm_90 within shared memory and, mostly, without register spills (``_CONFIGS``).
+    compile for the GPU's architecture within shared memory and without register spills
+    (``_CONFIGS`` less ``_LEFT_OUT``, checked with :mod:`kha_compile.kernels.aot` for sm_80 and sm_90).
+    Below sm_90 the split's grad-v launch at d > 64 (16-bit) cannot fit (five 128 x 128 weight tiles
+    on chip); there the op's backward runs the composite formula (cuBLAS), and fp32 runs the kernels
+    up to d = 64 only (``triton_supports``).
 
 Precision: operands of every ``tl.dot`` are in the input dtype (tensor cores), accumulation in fp32,
 the element-wise gate math in fp32; h, grad_a and grad_g are rounded (to nearest even) to the input
@@ -210,6 +214,7 @@ _LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, 
         ("dv", "16bit", 128): {(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)},
     },
     "sm_90": {
+        ("fused", "16bit", 32): {(128, None, 8, 2), (128, None, 8, 3)},
         ("dv", "16bit", 128): {(32, None, 8, 1)},
     },
 }

@@ -23,12 +23,13 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["mlp_value_flops", "mlp_value_backward_flops", "FORWARD_GEMMS", "BACKWARD_GEMMS"]
+__all__ = ["BACKWARD_GEMMS", "FORWARD_GEMMS", "mlp_value_backward_flops", "mlp_value_flops"]
 
 FORWARD_GEMMS = 3  # (M, d) x (d, d) products in the forward
 BACKWARD_GEMMS = 8  # in the op's backward (2 recomputed + grad_h + 2 for grad_v + 3 weight gradients)

@@ -66,7 +66,7 @@ def test_symbolic_grid_evaluates_like_the_concrete_one():
 def test_plugin_kernel_is_ptx_in_tensorrts_argument_order(dtype, d):
     k = taot.plugin_kernel(dtype, d, "sm_90")
     assert k.dtype == taot.PLUGIN_DTYPES.get(dtype, dtype) and k.head_dim == d
-    entry = re.search(rf"\.entry {re.escape(k.name)}\((.*?)\)", k.ptx, re.S)
+    entry = re.search(rf"\.entry {re.escape(k.name)}\((.*?)\)", k.ptx, re.DOTALL)
     assert entry, "the PTX defines the kernel under the returned name"
     params = re.findall(r"\.param \.(\w+)", entry.group(1))
     # v, w_up, w_gate, w_down (pointers), M (i32), y (pointer); then Triton's two scratch pointers,
