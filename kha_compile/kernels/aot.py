@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import BackendUnavailableError, KernelCompileError
@@ -378,7 +378,7 @@ def _jit_module() -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def _interpret_off(knobs: Any):
+def _interpret_off(knobs: Any) -> Iterator[None]:
     """TRITON_INTERPRET off while the kernels' decorators run; the knob and environment restored after."""
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "scope"):
