@@ -53,8 +53,8 @@ def test_compiled_kernel_is_ptx_for_the_target():
 
 
 def test_a_failed_compile_is_a_record_not_a_crash():
-    # BLOCK_M = 8 is below tl.dot's minimum of 16: the compiler rejects it
-    bad = aot.KernelVariant("fwd", "bf16", 64, 8, None, 4, 2)
+    # BLOCK_M = 24: tl.arange takes powers of two only, so the compiler rejects the kernel
+    bad = aot.KernelVariant("fwd", "bf16", 64, 24, None, 4, 2)
     rec, compiled = aot._compile(bad, "sm_90")
     assert compiled is None and not rec.ok and rec.registers is None
     assert rec.reason and "Error" in rec.reason.split(":")[0]
