@@ -116,7 +116,12 @@ _AOT_REGISTERED = False
 
 
 def aot_registered() -> bool:
-    """True once the plugin's ahead-of-time implementation is registered in this process."""
+    """True once the plugin's ahead-of-time implementation is registered in this process.
+
+    Example::
+
+        register_mlp_value_plugin();  aot_registered()    # True with TensorRT >= 10.10 and Triton
+    """
     return _AOT_REGISTERED
 
 

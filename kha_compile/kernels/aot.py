@@ -411,7 +411,12 @@ def _resource_usage(cubin: bytes, name: str) -> tuple[int, int]:
 
 
 def parse_resource_usage(text: str, name: str) -> tuple[int, int]:
-    """(REG, STACK) of function ``name`` in ``cuobjdump --dump-resource-usage`` output."""
+    """(REG, STACK) of function ``name`` in ``cuobjdump --dump-resource-usage`` output.
+
+    Example::
+
+        parse_resource_usage(" Function _fwd:\n  REG:168 STACK:0 SHARED:0", "_fwd")    # (168, 0)
+    """
     m = re.search(rf"Function {re.escape(name)}:\s*\n?\s*REG:(\d+)\s+STACK:(\d+)", text)
     if not m:
         raise KernelCompileError(f"no resource usage for {name!r} in cuobjdump's output: {text[:300]!r}")
@@ -431,6 +436,11 @@ def _spill_bytes(ptx: str, cc: int) -> int:
 
 
 def parse_spill_stores(ptxas_log: str) -> int:
-    """Bytes of spill stores in a ``ptxas -v`` log (0 when it reports none)."""
+    """Bytes of spill stores in a ``ptxas -v`` log (0 when it reports none).
+
+    Example::
+
+        parse_spill_stores("24 bytes stack frame, 20 bytes spill stores, 20 bytes spill loads")    # 20
+    """
     found = [int(x) for x in re.findall(r"(\d+) bytes spill stores", ptxas_log)]
     return max(found, default=0)

@@ -228,8 +228,14 @@ def _arch_class(cc: int | None) -> str | None:
 
 
 def configs_for(kind: str, cls: str, D: int, cc: int | None) -> list[tuple[int, int | None, int, int]]:
-    """The autotune configs of launch ``kind`` for operand class ``cls``, padded head size D, on compute
-    capability ``cc`` (e.g. 90; None: all of them, as in the interpreter)."""
+    """The autotune configs of launch ``kind`` for operand class ``cls`` and padded head size D on ``cc``.
+
+    ``cc`` is the compute capability (e.g. 90); None gives all of them, as in the interpreter.
+
+    Example::
+
+        configs_for("fused", "16bit", 64, 80)     # [(32, None, 8, 2), (16, None, 4, 2)]
+    """
     left_out = _LEFT_OUT.get(_arch_class(cc) or "", {}).get((kind, cls, D), set())
     return [c for c in _CONFIGS[(kind, cls)] if c not in left_out]
 

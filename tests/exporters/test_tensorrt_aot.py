@@ -234,8 +234,10 @@ def test_mark_aot_nodes(tmp_path, d, marked):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TRT, reason="needs TensorRT (>= 10.10 for aot_impl) and an NVIDIA GPU")
-def test_aot_engine_matches_torch(tmp_path):
+def test_aot_engine_matches_torch(tmp_path, caplog):
     from kha_compile.exporters.tensorrt import export_tensorrt, run_engine
+
+    caplog.set_level("INFO", logger="kha_compile.exporters.tensorrt")
 
     net, onnx_path = _mlp_onnx(tmp_path, 64, with_model=True)
     engine = export_tensorrt(onnx_path, tmp_path / "m.engine", precision="fp32", aot=True,
@@ -245,3 +247,5 @@ def test_aot_engine_matches_torch(tmp_path):
     with torch.no_grad():
         want = net(x)
     assert float((y - want).abs().max() / want.abs().max()) < 1e-4
+    assert any("1 of 1 MLPValue nodes use the AOT plugin implementation" in r.getMessage()
+               for r in caplog.records)

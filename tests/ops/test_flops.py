@@ -105,4 +105,8 @@ def test_llama_training_step_at_8192_tokens_on_meta():
     assert kha - base == extra
     ratio = kha / base
     assert ratio == pytest.approx(1 + extra / (6 * T * P + attn), rel=1e-12)
-    assert 1.01 < ratio < 1.02  # 1.0119 at this shape
+    assert 1.01 < ratio < 1.02  # 1.0119 with 2 layers, where the lm_head is a fifth of the step
+    # per decoder layer (the limit for a deep model): 22 hkv dh^2 / (6 P_layer + 12 hq L dh) = 1.50%
+    per_layer = extra / (base - 6 * T * H * 8192)
+    assert per_layer == pytest.approx(22 * hkv * dh * dh / (6 * (P - H * 8192) / n + 12 * hq * L * dh))
+    assert 0.0145 < per_layer < 0.0155
