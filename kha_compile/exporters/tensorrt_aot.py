@@ -215,9 +215,9 @@ def register_mlp_value_aot_impl(trt: Any, trtp: Any, plugin_id: str) -> None:
         if dtype is None:
             raise OpInputError(f"kha::MLPValue AOT plugin: unsupported type {v.dtype}.")
         kernel = plugin_kernel(dtype, d, _current_arch())
-        params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y, params.grid_z = launch_grid(M, kernel.block_m, cdiv=trtp.cdiv)
-        params.block_x, params.block_y, params.block_z = kernel.block
+        params = trtp.KernelLaunchParams()  # y and z of grid and block stay 1
+        params.grid_x = launch_grid(M, kernel.block_m, cdiv=trtp.cdiv)[0]
+        params.block_x = kernel.block[0]
         params.shared_mem = kernel.shared_bytes
         extra_args = trtp.SymIntExprs.from_tuple([trtp.SymInt32(M)])  # the scalars, in PLUGIN_ARGS order
         return kernel.name.encode(), kernel.ptx.encode(), params, extra_args
