@@ -93,9 +93,11 @@ def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
 def _import_tensorrt() -> Any:
     """``tensorrt`` (with ``tensorrt.plugin``), after checking for it and for an NVIDIA GPU."""
     missing = []
-    trt = None
+    trt: Any = None
     try:
-        import tensorrt as trt
+        import tensorrt
+
+        trt = tensorrt
         import tensorrt.plugin
     except ImportError as e:
         found = f" (found tensorrt {trt.__version__}, which has no tensorrt.plugin)" if trt else ""
@@ -204,9 +206,11 @@ def _mlp_value_kernel() -> Callable:
             triton_available,
             triton_supports,
         )
+
+        available = triton_available()
     except ImportError:
-        triton_available = None
-    if triton_available is None or not triton_available():
+        available = False
+    if not available:
         log.info("the Triton MLP-value kernel is not available: the TensorRT plugin computes "
                  "MLP-value with torch")
         return mlp_value_reference

@@ -271,7 +271,7 @@ class _KernelSet:
         self.fwd_plugin = jit._fwd_plugin  # the forward in TensorRT's AOT-plugin argument order
         self.autotune = autotune
         self._do_bench = do_bench
-        self._tuners: dict[tuple[str, str], Any] = {}
+        self._tuners: dict[tuple[str, str, tuple], Any] = {}
 
     def tuner(self, kind: str, cls: str, configs: list[tuple[int, int | None, int, int]] | None = None) -> Any:
         """The autotuned kernel for launch ``kind`` ("fwd", "fused", "dv", "dw") over ``configs`` (default:
@@ -306,6 +306,7 @@ def _build_kernels(interpret: bool, autotune: bool | None = None, do_bench: Any 
     name = f"{__package__}._mlp_value_jit_{'interpret' if interpret else 'compiled'}"
     path = os.path.join(os.path.dirname(__file__), "_mlp_value_jit.py")
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a file next to this one
     jit = importlib.util.module_from_spec(spec)
     sys.modules[name] = jit  # triton and inspect look kernels' modules up by name
     spec.loader.exec_module(jit)
