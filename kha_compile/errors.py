@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError",
+    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
 ]
 
 
@@ -57,3 +57,7 @@ class BackendUnavailableError(KHAError, ImportError):
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class KernelCompileError(KHAError, ValueError):
+    """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
