@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -35,7 +35,8 @@ def kha_matrices(model: nn.Module) -> list[tuple[str, dict[str, torch.Tensor]]]:
     for name, m in kha_modules(model):
         site = name if isinstance(m, KHAMultiheadAttention) else (name.rpartition(".")[0] or name)
         mats = sites.setdefault(site, {})
-        for role, t in m.kha.items():
+        transforms: Any = m.kha  # KHATransforms: role -> transform module
+        for role, t in transforms.items():
             if t.kind == "mlp":
                 for part in ("up", "gate", "down"):
                     mats[f"{role.upper()} {part}"] = getattr(t, part).detach()

@@ -197,7 +197,8 @@ class KHABackend:
         if self.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
+            compiled: Callable[..., Any] = compile_fx(gm, example_inputs)  # type: ignore[assignment]
+            return compiled
         if self.compiler == "eager":
             return gm.forward
         assert callable(self.compiler)

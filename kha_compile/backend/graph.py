@@ -78,7 +78,7 @@ def concrete(value: Any) -> Any:
     if isinstance(value, torch.SymInt):
         hint = value.node.hint
         if hint is None:
-            raise BackendError("a symbolic size without a hint")
+            raise BackendError("a symbolic size without a hint; compile with torch.compile(..., dynamic=False)")
         return int(hint)
     if isinstance(value, (list, tuple)):
         return type(value)(concrete(v) for v in value)

@@ -156,7 +156,7 @@ def slot_of(value: Any, head_dim: int) -> Optional[HeadSlot]:
     heads, stride = axes[0] if axes else (1, head_dim)
     if heads > 1 and stride < head_dim:
         return None
-    return HeadSlot("?", value.storage_offset(), heads, head_dim, stride)
+    return HeadSlot("?", int(value.storage_offset()), int(heads), head_dim, int(stride))
 
 
 def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Optional[Projection]:

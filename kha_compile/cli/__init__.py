@@ -23,7 +23,6 @@ Example::
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence
 
 from .commands.bench import list_benchmarks

@@ -50,6 +50,7 @@ class Rule:
 
     name: ClassVar[RuleName]
     strict: ClassVar[bool] = False  # a strict rule raises instead of declining (skipping would change results)
+    error: ClassVar[type[BackendError]] = BackendError   # what a strict rule raises
 
     @classmethod
     def create(cls, setup: RuleSetup) -> Optional["Rule"]:
@@ -79,7 +80,7 @@ class Rule:
             raise
         except Exception as exc:  # a bug here must not cost the user their compile
             if self.strict:
-                raise BackendError(f"{self.name}: internal error while matching: {exc!r}") from exc
+                raise self.error(f"{self.name}: internal error while matching: {exc!r}") from exc
             log.warning("kha backend: rule %s failed on this graph and was skipped: %r", self.name, exc)
             ctx.stats.declined.append(Decline(self.name, "<graph>", f"internal error: {exc!r}"))
             matches = []
@@ -99,7 +100,7 @@ class Rule:
                     verdict = fail(f"internal error: {exc!r}")
             if not verdict:
                 if self.strict:
-                    raise BackendError(f"{self.name}: cannot rewrite at {anchor.name}: {verdict.reason}")
+                    raise self.error(f"{self.name}: cannot rewrite at {anchor.name}: {verdict.reason}")
                 ctx.stats.declined.append(Decline(self.name, anchor.name, verdict.reason))
                 log.debug("kha backend: %s declined at %s: %s", self.name, anchor.name, verdict.reason)
                 continue

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 from torch import Tensor, fx
 
-from ...errors import DeployError
+from ...errors import BackendError, DeployError
 from ..deploy import PARAMS, DeployEntry, RoleTransform
 from ..deps import HeadSlot, KHAProjection, KHATransforms, make_transform
 from ..graph import GraphContext
@@ -82,6 +82,7 @@ class DeployKHA(Rule):
 
     name: ClassVar[RuleName] = "deploy"
     strict: ClassVar[bool] = True  # a transform left out would silently change the model's outputs
+    error: ClassVar[type[BackendError]] = DeployError
 
     def __init__(self, entries: Sequence[DeployEntry]):
         self.entries = list(entries)

@@ -102,7 +102,7 @@ class FoldLinearKHA(Rule):
             s = mm.args[0]
             tt = ctx.tensor_of(t)
             assert tt is not None
-            slot = slot_of(values.get(s), tt.shape[0]) if s in values else None
+            slot = slot_of(values[s], tt.shape[0]) if isinstance(s, fx.Node) and s in values else None
             m.transforms.append(_Transform(mm, t, slot))
         for u, v in readers:
             if u in mine and u.args[0] is v:
@@ -140,6 +140,8 @@ class FoldLinearKHA(Rule):
         new = ctx.add_inputs(Recipe(srcs, fold_fn(slots, proj.out_axis)), f"kha_folded_{m.anchor.name}")
         proj.replace(new[0], new[1] if proj.bias is not None else None)
         for t in m.transforms:
-            t.matmul.replace_all_uses_with(t.matmul.args[0])
+            x = t.matmul.args[0]
+            assert isinstance(x, fx.Node)  # pattern() traced it back to the projection
+            t.matmul.replace_all_uses_with(x)
             ctx.graph.erase_node(t.matmul)
         return len(m.transforms)

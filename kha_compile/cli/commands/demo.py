@@ -67,17 +67,17 @@ _OTHER = ["One more sentence, of another length, to exercise the dynamic axes."]
 
 
 
-def _features(st: nn.Module, texts: Sequence[str]) -> dict:
+def _features(st: Any, texts: Sequence[str]) -> dict:
     prep = getattr(st, "preprocess", None) or st.tokenize
     return prep(list(texts))
 
 
-def _encode(st: nn.Module, texts: Sequence[str]) -> torch.Tensor:
+def _encode(st: Any, texts: Sequence[str]) -> torch.Tensor:
     with torch.no_grad():
         return st.encode(list(texts), convert_to_tensor=True, show_progress_bar=False, batch_size=len(texts))
 
 
-def _st_embed_from_tokens(st: nn.Module, feats: dict, token_embeddings: torch.Tensor) -> torch.Tensor:
+def _st_embed_from_tokens(st: Any, feats: dict, token_embeddings: torch.Tensor) -> torch.Tensor:
     """Run the SentenceTransformer's modules after the transformer (pooling, normalize) on given tokens."""
     out = dict(feats, token_embeddings=token_embeddings)
     with torch.no_grad():
@@ -93,7 +93,7 @@ class _Check:
     ok: bool
 
 
-def _train_kha(st: nn.Module, steps: int, ui: UI, lr: float = 1e-3, temperature: float = 0.05) -> list[float]:
+def _train_kha(st: Any, steps: int, ui: UI, lr: float = 1e-3, temperature: float = 0.05) -> list[float]:
     """Train only the KHA parameters on an in-batch contrastive loss over DEMO_PAIRS; returns the losses."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -229,7 +229,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     return 0 if all(c.ok for c in checks) else 1
 
 
-def _demo_export(st: nn.Module, out_dir: pathlib.Path, ui: UI) -> list[_Check]:
+def _demo_export(st: Any, out_dir: pathlib.Path, ui: UI) -> list[_Check]:
     import kha_compile as kc
     from ...exporters.onnx import export_onnx, onnx_summary
 
@@ -278,7 +278,7 @@ def _demo_export(st: nn.Module, out_dir: pathlib.Path, ui: UI) -> list[_Check]:
     return checks
 
 
-def _ort_parity_embeddings(st: nn.Module, path: pathlib.Path, batches: list) -> float:
+def _ort_parity_embeddings(st: Any, path: pathlib.Path, batches: list) -> float:
     """Max |onnxruntime - torch| over sentence embeddings: ONNX hidden states, then st's pooling."""
     worst = 0.0
     for texts, feats, tokens in batches:

@@ -52,10 +52,11 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         raise FoldError(f"fold left KHA modules behind: {left[:3]}; please report this with the model name.")
     out = pathlib.Path(args.out)
     with ui.step(f"save the vanilla model to {out}"):
-        if not hasattr(model, "save_pretrained"):
+        save = getattr(model, "save_pretrained", None)
+        if not callable(save):
             raise CommandError(f"{type(model).__name__} has no save_pretrained; only transformers and "
                                "sentence-transformers models are saved by this command.")
-        model.save_pretrained(str(out))
+        save(str(out))
         _copy_tokenizer(args.model, out)
     ui.out.print(kv_table(f"{name}: folded", [
         ("output", str(out)), ("max |folded - KHA| on example inputs", fmt_diff(d)),
