@@ -50,3 +50,14 @@ def test_help_lists_every_command(capsys):
     assert code == 0
     for command in ("demo", "inspect", "apply", "fold", "export", "bench", "viz", "kernels"):
         assert f"    {command} " in out
+
+
+def test_every_command_has_a_runner():
+    import argparse
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sorted(sub.choices) == sorted(["demo", "inspect", "apply", "fold", "export", "bench", "viz", "kernels"])
+    for name, p in sub.choices.items():
+        assert callable(p.get_default("func")), name
+        assert p.get_default("command_parser") is p, name

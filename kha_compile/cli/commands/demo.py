@@ -37,6 +37,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the demo's batches are tiny, and more threads than free "
                         "cores make it several times slower on a busy machine)")
+    p.set_defaults(func=run)
     return p
 
 
