@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError",
+    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError",
 ]
 
 
@@ -45,6 +45,10 @@ class FoldError(KHAError):
 
 class ExportError(KHAError):
     """An export step (ONNX, TensorRT) failed; the message names the step."""
+
+
+class ExportNamesError(ExportError, ValueError):
+    """input_names / output_names given to an export do not fit the model's inputs or outputs."""
 
 
 class BackendUnavailableError(KHAError, ImportError):

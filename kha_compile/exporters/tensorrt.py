@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # (min, opt, max) of the dynamic dims that export_onnx names; "x_batch" / "x_seq" match too.
-DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "seq": (1, 128, 1024)}
+DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "sequence": (1, 128, 1024),
+                                                      "seq": (1, 128, 1024)}
 _PLUGIN_DTYPES = ("float32", "float16", "bfloat16")
 _INSTALL_HINT = (
     "Install TensorRT (>= 10.7, for tensorrt.plugin) on a Linux machine with an NVIDIA GPU and "

@@ -328,7 +328,7 @@ def attention_onnx(tmp_path_factory):
 def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
     model, onnx_path, d = attention_onnx
     engine = export_tensorrt(onnx_path, tmp_path / "fp32.engine", precision="fp32",
-                             dim_ranges={"batch": (1, 2, 4), "seq": (1, 8, 32)})
+                             dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
     x = torch.randn(*shape, d)
     (y,) = run_engine(engine, {"x": x}).values()
     with torch.no_grad():
@@ -341,6 +341,6 @@ def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
 def test_engine_uses_the_plugin(attention_onnx, tmp_path, caplog):
     caplog.set_level("INFO", logger="kha_compile.exporters.tensorrt")
     export_tensorrt(attention_onnx[1], tmp_path / "fp16.engine", precision="fp16",
-                    dim_ranges={"batch": (1, 2, 4), "seq": (1, 8, 32)})
+                    dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
     assert any("2 of 2 MLPValue nodes as kha::MLPValue plugins" in r.getMessage()
                for r in caplog.records)
