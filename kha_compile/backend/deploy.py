@@ -21,15 +21,11 @@ from ..api import analyse
 from ..checkpoint import checkpoint_misfit, read_checkpoint
 from ..errors import AlreadyAppliedError, CheckpointError, DeployError, NoAttentionFoundError
 from ..passes.insert import kha_modules
-from .deps import HeadSlot
+from .deps import TRANSFORM_PARAMS, HeadSlot
 
-__all__ = ["DeployEntry", "RoleTransform", "DeployPlan", "PARAMS"]
+__all__ = ["DeployEntry", "RoleTransform", "DeployPlan"]
 
 log = logging.getLogger(__name__)
-
-# the tensors of each transform kind, in the order the transform takes them
-PARAMS: dict[str, tuple[str, ...]] = {"linear": ("weight",), "mlp": ("up", "gate", "down")}
-
 
 @dataclasses.dataclass(frozen=True)
 class RoleTransform:
@@ -86,7 +82,7 @@ class DeployPlan:
         for p in plan:
             for s in p.slots:
                 if s.role in p.kinds:
-                    for param in PARAMS[p.kinds[s.role]]:
+                    for param in TRANSFORM_PARAMS[p.kinds[s.role]]:
                         expected[f"{p.module_path}.kha.{s.role}.{param}"] = (s.head_dim, s.head_dim)
         misfit = checkpoint_misfit(expected, {k: tuple(v.shape) for k, v in self.tensors.items()})
         if misfit:
@@ -94,7 +90,7 @@ class DeployPlan:
         entries = []
         for p in plan:
             transforms = {s.role: RoleTransform(p.kinds[s.role], tuple(self.tensors[f"{p.module_path}.kha.{s.role}.{q}"]
-                                                                       for q in PARAMS[p.kinds[s.role]]))
+                                                                       for q in TRANSFORM_PARAMS[p.kinds[s.role]]))
                           for s in p.slots if s.role in p.kinds}
             entries.append(DeployEntry(p.module_path, weakref.ref(model.get_submodule(p.module_path)),
                                        [s for s in p.slots if s.role in p.kinds], transforms, p.out_features))

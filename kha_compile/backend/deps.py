@@ -11,8 +11,11 @@ from ..passes.fold import fold_rows
 
 __all__ = [
     "HeadSlot", "KHALinearTransform", "KHAMLPValue", "KHAMultiheadAttention", "KHAProjection", "KHATransforms",
-    "make_transform", "fold_rows", "KHA_CLASSES",
+    "make_transform", "fold_rows", "KHA_CLASSES", "TRANSFORM_PARAMS",
 ]
+
+# the tensors of each transform kind, in the order the transform takes them (checkpoint keys ``kha.<role>.<name>``)
+TRANSFORM_PARAMS: dict[str, tuple[str, ...]] = {"linear": ("weight",), "mlp": ("up", "gate", "down")}
 
 # classes whose presence in a node's module stack means the graph carries KHA
 KHA_CLASSES: tuple[type, ...] = (KHAProjection, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention)

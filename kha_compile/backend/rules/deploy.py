@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Iterator, Optional, Sequence
 from torch import Tensor, fx
 
 from ...errors import BackendError, DeployError
-from ..deploy import PARAMS, DeployEntry, RoleTransform
-from ..deps import HeadSlot, KHAProjection, KHATransforms, make_transform
+from ..deploy import DeployEntry, RoleTransform
+from ..deps import TRANSFORM_PARAMS, HeadSlot, KHAProjection, KHATransforms, make_transform
 from ..graph import GraphContext
 from ..projection import Projection, fold_fn, projection
 from ..runtime import Recipe, Source
@@ -39,7 +39,7 @@ class TransformCall:
 
     Builds a stand-in :class:`KHAProjection` whose transforms hold the given tensors and runs its
     ``kha_transform``, so the head layout cut and each transform's forward are the package's own.
-    ``tensors`` are the roles' tensors in role order (``PARAMS[kind]`` order within a role).
+    ``tensors`` are the roles' tensors in role order (``TRANSFORM_PARAMS[kind]`` order within a role).
     """
 
     def __init__(self, slots: Sequence[HeadSlot], kinds: dict[str, str], out_features: int, name: str):
@@ -57,7 +57,7 @@ class TransformCall:
         for role, kind in self.kinds.items():
             head_dim = next(s.head_dim for s in self.slots if s.role == role)
             t = make_transform(kind, head_dim, device="meta")
-            for pname in PARAMS[kind]:
+            for pname in TRANSFORM_PARAMS[kind]:
                 delattr(t, pname)
                 setattr(t, pname, next(it))            # a plain tensor attribute: the graph input
             transforms[role] = t
