@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import kha_compile as kc
 
 
@@ -20,7 +22,7 @@ def test_registered_lazily_under_kha():
 
 def test_entry_point_target_is_the_registered_function():
     """pyproject's ``torch_dynamo_backends`` entry point names ``kha_compile.backend:kha``."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     pyproject = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
     target = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["torch_dynamo_backends"]["kha"]
