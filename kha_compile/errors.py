@@ -61,3 +61,37 @@ class OpInputError(KHAError, ValueError):
 
 class KernelCompileError(KHAError, ValueError):
     """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
+
+
+__all__ += [
+    "BackendError", "BackendOptionError", "DeployError", "MissingDependencyError", "ModelLoadError",
+    "CommandError", "NoKHATransformsError",
+]
+
+
+class BackendError(KHAError):
+    """The torch.compile backend ``"kha"`` could not rewrite a graph as asked."""
+
+
+class BackendOptionError(BackendError, ValueError):
+    """An option of ``kc.backend(...)`` has a value outside the allowed set."""
+
+
+class DeployError(BackendError):
+    """Deploy mode (``kc.backend(from_pretrained=...)``) cannot place a checkpoint's transforms."""
+
+
+class MissingDependencyError(KHAError, ImportError):
+    """An optional Python package (transformers, onnxruntime, matplotlib, ...) is not installed."""
+
+
+class ModelLoadError(KHAError):
+    """A model named on the command line could not be found or loaded."""
+
+
+class CommandError(KHAError, ValueError):
+    """A ``kha-compile`` command was given arguments it cannot work with."""
+
+
+class NoKHATransformsError(KHAError):
+    """The model carries no KHA transforms where the operation needs some."""
