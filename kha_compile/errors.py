@@ -7,8 +7,8 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError", "UnknownTransformError", "UnsupportedModelError",
-    "UnsupportedLayoutError", "NotAppliedError", "RegistryError",
+    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
+    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError",
 ]
 
 
@@ -48,12 +48,54 @@ class ExportError(KHAError):
     """An export step (ONNX, TensorRT) failed; the message names the step."""
 
 
+class ExportNamesError(ExportError, ValueError):
+    """input_names / output_names given to an export do not fit the model's inputs or outputs."""
+
+
 class BackendUnavailableError(KHAError, ImportError):
     """An optional backend (TensorRT, Triton, a GPU) is not available here."""
 
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class KernelCompileError(KHAError, ValueError):
+    """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
+
+
+__all__ += [
+    "BackendError", "BackendOptionError", "DeployError", "MissingDependencyError", "ModelLoadError",
+    "CommandError", "NoKHATransformsError",
+]
+
+
+class BackendError(KHAError):
+    """The torch.compile backend ``"kha"`` could not rewrite a graph as asked."""
+
+
+class BackendOptionError(BackendError, ValueError):
+    """An option of ``kc.backend(...)`` has a value outside the allowed set."""
+
+
+class DeployError(BackendError):
+    """Deploy mode (``kc.backend(from_pretrained=...)``) cannot place a checkpoint's transforms."""
+
+
+class MissingDependencyError(KHAError, ImportError):
+    """An optional Python package (transformers, onnxruntime, matplotlib, ...) is not installed."""
+
+
+class ModelLoadError(KHAError):
+    """A model named on the command line could not be found or loaded."""
+
+
+class CommandError(KHAError, ValueError):
+    """A ``kha-compile`` command was given arguments it cannot work with."""
+
+
+class NoKHATransformsError(KHAError):
+    """The model carries no KHA transforms where the operation needs some."""
 
 
 class UnknownTransformError(KHAConfigError):
@@ -66,10 +108,6 @@ class UnsupportedModelError(KHAError):
 
 class UnsupportedLayoutError(UnsupportedModelError):
     """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
-
-
-class NotAppliedError(KHAError):
-    """The model carries no KHA transforms, and the call needs some (save, deploy)."""
 
 
 class RegistryError(KHAError, LookupError):

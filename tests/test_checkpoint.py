@@ -8,7 +8,7 @@ import torch
 
 import kha_compile as kc
 from kha_compile.checkpoint import checkpoint_misfit, read_checkpoint
-from kha_compile.errors import CheckpointError, NotAppliedError
+from kha_compile.errors import CheckpointError, NoKHATransformsError
 
 from helpers import perturb
 
@@ -87,5 +87,5 @@ def test_misfit_lists_missing_unexpected_and_wrong_shapes():
 
 
 def test_save_without_kha_says_to_apply_first(tmp_path):
-    with pytest.raises(NotAppliedError, match="call kc.apply"):
+    with pytest.raises(NoKHATransformsError, match="call kc.apply"):
         kc.save_pretrained(_llama(1), tmp_path / "x")
