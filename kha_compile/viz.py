@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
