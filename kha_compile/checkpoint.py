@@ -24,13 +24,20 @@ CONFIG_NAME = "kha_config.json"
 
 
 def config_of(model: nn.Module) -> dict[str, Any]:
-    """The KHAConfig that reproduces the model's transforms (MLA sites carry v='linear' under v='mlp')."""
+    """The KHAConfig that reproduces the model's transforms (MLA sites carry v='linear' under v='mlp').
+
+    ``strategy`` is the modules' common ``kha_strategy`` (``"auto"`` when they differ).
+    """
     roles: dict[str, str] = {}
+    strategies: set[str] = set()
     for _, module in kha_modules(model):
+        strategies.add(getattr(module, "kha_strategy", "auto"))
         for role, t in module.kha.items():
             if roles.get(role) != "mlp":
                 roles[role] = t.kind
-    return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v")}
+    strategy = strategies.pop() if len(strategies) == 1 else "auto"  # set per module: not one config value
+    return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v"),
+            "strategy": strategy}
 
 
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:

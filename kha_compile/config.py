@@ -6,12 +6,13 @@ from typing import Any, Optional
 
 from .errors import KHAConfigError
 from .kinds import ROLES, Role, TransformName
+from .strategy import check_strategy
 from .transforms import get_transform, transform_kinds
 
-__all__ = ["KHAConfig", "CONFIG_VERSION", "allowed_kinds"]
+__all__ = ["KHAConfig", "CONFIG_VERSION", "READABLE_VERSIONS", "allowed_kinds"]
 
-CONFIG_VERSION = 1
-
+CONFIG_VERSION = 2  # 2: adds ``strategy``; version 1 (no strategy) still loads, as strategy="auto"
+READABLE_VERSIONS = (1, 2)
 
 
 def allowed_kinds(role: Role) -> tuple[Optional[str], ...]:
@@ -25,18 +26,25 @@ class KHAConfig:
 
     ``q`` and ``k``: ``None`` or ``"linear"``; ``v``: ``None``, ``"linear"`` or ``"mlp"``.
     The default is the paper's best configuration: MLP-value KHA, no query/key transform.
+    ``strategy`` says how linear transforms run (:mod:`kha_compile.strategy`): ``"auto"`` (folded
+    into the weight on the fly when a call has more tokens than the projection has inputs, or when
+    no gradient is needed), ``"weight"`` (always folded on the fly) or ``"token"`` (always applied
+    to the projection output). Results agree to rounding; only the cost differs.
 
     Example::
 
         cfg = KHAConfig(q="linear", k="linear", v="linear")   # all foldable
         cfg = KHAConfig()                                       # v="mlp"
+        cfg = KHAConfig(v="linear", strategy="token")
     """
 
     q: Optional[TransformName] = None
     k: Optional[TransformName] = None
     v: Optional[TransformName] = "mlp"
+    strategy: str = "auto"
 
     def __post_init__(self) -> None:
+        check_strategy(self.strategy, "KHAConfig.strategy")
         for role in ROLES:
             allowed = allowed_kinds(role)
             value = getattr(self, role)
@@ -61,14 +69,14 @@ class KHAConfig:
         return all(get_transform(k).foldable for k in self.roles().values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": CONFIG_VERSION, "q": self.q, "k": self.k, "v": self.v}
+        return {"version": CONFIG_VERSION, "q": self.q, "k": self.k, "v": self.v, "strategy": self.strategy}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KHAConfig":
         version = data.get("version")
-        if version != CONFIG_VERSION:
+        if version not in READABLE_VERSIONS:
             raise KHAConfigError(
-                f"KHA config version {version!r} is not supported (this kha_compile reads "
-                f"version {CONFIG_VERSION}); re-save the checkpoint with a matching kha_compile."
+                f"KHA config version {version!r} is not supported (this kha_compile reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); re-save the checkpoint with a matching kha_compile."
             )
-        return cls(q=data.get("q"), k=data.get("k"), v=data.get("v"))
+        return cls(q=data.get("q"), k=data.get("k"), v=data.get("v"), strategy=data.get("strategy", "auto"))

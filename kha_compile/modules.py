@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -17,7 +18,8 @@ from torch import Tensor, nn
 
 from .errors import UnsupportedLayoutError, UnsupportedModelError
 from .kinds import Role
-from .transforms import get_transform
+from .strategy import cached_fold, check_strategy, needs_grad, swapped_params, use_weight_side
+from .transforms import get_transform, kind_of
 from .transforms.linear import KHALinearTransform
 from .transforms.mlp import KHAMLPValue
 
@@ -120,25 +122,58 @@ class KHAProjection(nn.Module):
     kha: KHATransforms
     _kha_slots: tuple[HeadSlot, ...]
     _kha_out_features: int
+    kha_strategy: str = "auto"  # linear KHA execution: "auto" | "weight" | "token" (kha_compile.strategy)
 
     def forward(self, *args, **kwargs):
-        y = super().forward(*args, **kwargs)
-        return self.kha_transform(y)
+        folded = self._kha_weight_side_roles(args, kwargs)
+        if not folded:  # token-side: transform the projection output
+            return self.kha_transform(super().forward(*args, **kwargs))
+        params = self._kha_folded_params(folded)
+        if params is None:
+            return self.kha_transform(super().forward(*args, **kwargs))
+        with swapped_params(self, params):  # weight-side: the base forward with W' = T^T W per head slot
+            y = super().forward(*args, **kwargs)
+        return self.kha_transform(y, skip=folded)
 
-    def _kha_layout(self) -> tuple[tuple[HeadSlot, ...], str, int]:
-        """(active slots, plan, stride), computed once per set of roles (fold may remove some)."""
-        roles = tuple(self.kha.keys())
-        cached = self.__dict__.get("_kha_cached_layout")
-        if cached is None or cached[0] != roles:
-            slots = tuple(s for s in self._kha_slots if s.role in self.kha)
+    def _kha_sources(self, roles: tuple[str, ...]) -> list[Tensor]:
+        """The tensors a fold of ``roles`` reads: weight, bias, and each role's transform parameters."""
+        out = [t for t in (self._parameters.get("weight"), self._parameters.get("bias")) if t is not None]
+        for r in roles:
+            out.extend(kind_of(self.kha[r]).params(self.kha[r]))
+        return out
+
+    def _kha_weight_side_roles(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """The foldable roles this call runs weight-side (empty: all token-side), per ``kha_strategy``."""
+        roles = tuple(r for r in self.kha if kind_of(self.kha[r]).foldable)
+        w = self._parameters.get("weight")
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if not roles or not isinstance(w, Tensor) or w.dim() != 2 or not isinstance(x, Tensor) or x.dim() == 0:
+            return ()
+        tokens = x.numel() // max(x.shape[-1], 1)
+        return roles if use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, x.shape[-1]) else ()
+
+    def _kha_folded_params(self, roles: tuple[str, ...]) -> Optional[list[tuple[str, Tensor]]]:
+        """Weight and bias with ``roles`` folded in by this module's handler (cached while no grad is needed)."""
+        from .passes.handlers import handler_of  # passes import this module
+
+        handler = handler_of(self)
+        params = cached_fold(self, roles, self._kha_sources(roles), lambda: handler.weight_side(self, roles) or [])
+        return params or None
+
+    def _kha_layout(self, skip: tuple[str, ...] = ()) -> tuple[tuple[HeadSlot, ...], str, int]:
+        """(active slots, plan, stride) of the roles not in ``skip``, computed once per set of roles."""
+        roles = tuple(r for r in self.kha.keys() if r not in skip)
+        cache: dict = self.__dict__.setdefault("_kha_cached_layout", {})
+        cached = cache.get(roles)
+        if cached is None:
+            slots = tuple(s for s in self._kha_slots if s.role in roles)
             plan = _plan(slots, self._kha_out_features) if slots else ("none", 0)
-            cached = (roles, slots, *plan)
-            self.__dict__["_kha_cached_layout"] = cached
-        return cached[1:]
+            cached = cache[roles] = (slots, *plan)
+        return cached
 
-    def kha_transform(self, y: Tensor) -> Tensor:
-        """Apply each role's transform to its head slices of the projection output ``y`` (..., out)."""
-        slots, mode, stride = self._kha_layout()
+    def kha_transform(self, y: Tensor, skip: tuple[str, ...] = ()) -> Tensor:
+        """Apply each role's transform (except those in ``skip``) to its head slices of ``y`` (..., out)."""
+        slots, mode, stride = self._kha_layout(skip)
         if not slots:
             return y
         width = y.shape[-1]
@@ -211,7 +246,8 @@ def detach(module: nn.Module) -> nn.Module:
     if not isinstance(module, KHAProjection):
         return module
     del module.kha
-    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler"):
+    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler", "kha_strategy",
+                 "_kha_fold_cache", "_kha_weight_axis"):
         module.__dict__.pop(attr, None)
     module.__class__ = type(module)._kha_base_class
     return module
@@ -222,16 +258,76 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
 
     The projections of ``nn.MultiheadAttention`` are parameters used functionally
     (``in_proj_weight``), not modules, so the whole module gets this class (same object,
-    parameters and keys); :func:`detach_mha` gives it its class back. The forward follows
-    ``F.multi_head_attention_forward`` step by step, with the transforms right after the
-    in-projection. A no-op forward hook keeps ``nn.TransformerEncoderLayer``'s fused inference
-    fast path (which would skip the transforms) switched off.
+    parameters and keys); :func:`detach_mha` gives it its class back.
+
+    Linear transforms run weight-side (see :mod:`kha_compile.strategy`) by calling
+    ``nn.MultiheadAttention.forward`` itself with the folded in-projection, so torch's fused
+    inference path runs when it would without KHA. ``nn.TransformerEncoderLayer``'s fast path reads
+    ``self_attn.in_proj_weight`` / ``in_proj_bias`` without calling this module: while no gradient
+    is needed (and ``kha_strategy`` is not ``"token"``), reads of those attributes from
+    ``torch.nn.modules.transformer`` (only there) give the effective (folded, cached) tensors;
+    every other reader gets the parameters themselves.
+    Otherwise the forward follows ``F.multi_head_attention_forward`` step by step with the
+    transforms right after the in-projection (token-side), and a no-op forward hook keeps the
+    encoder layer's fast path (which would skip them) switched off: that is the case for
+    MLP-value and for ``kha_strategy = "token"``.
     """
 
     kha: KHATransforms
 
+    @property
+    def kha_strategy(self) -> str:
+        """How linear KHA runs here: "auto" | "weight" | "token"; setting it updates the fast-path hook."""
+        return str(self.__dict__.get("_kha_strategy", "auto"))
+
+    @kha_strategy.setter
+    def kha_strategy(self, value: str) -> None:
+        self.__dict__["_kha_strategy"] = check_strategy(value, "kha_strategy")
+        _sync_fast_path_hook(self)
+
+    def _kha_roles(self) -> tuple[str, ...]:
+        return tuple(r for r in ("q", "k", "v") if r in self.kha and kind_of(self.kha[r]).foldable)
+
+    def _kha_sources(self, roles: tuple[str, ...]) -> list[Tensor]:
+        names = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+        out = [t for t in (self._parameters.get(n) for n in names) if t is not None]
+        for r in roles:
+            out.extend(kind_of(self.kha[r]).params(self.kha[r]))
+        return out
+
+    def _kha_folded(self, roles: tuple[str, ...]) -> list[tuple[str, Tensor]]:
+        from .passes.handlers import handler_of  # passes import this module
+
+        handler = handler_of(self)
+        return cached_fold(self, roles, self._kha_sources(roles), lambda: handler.weight_side(self, roles) or [])
+
+    def __getattr__(self, name: str):
+        """The effective in-projection for ``nn.TransformerEncoderLayer``'s fast path; the parameter otherwise."""
+        if name in _MHA_WEIGHTS and "_kha_swapped" not in self.__dict__ and \
+                sys._getframe(1).f_globals.get("__name__") == _FAST_PATH_READER:
+            eff = _effective_in_proj(self, name)
+            if eff is not None:
+                return eff
+        return super().__getattr__(name)
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
+        roles = self._kha_roles()
+        tokens = query.numel() // max(query.shape[-1], 1)
+        if roles and use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, self.embed_dim):
+            with swapped_params(self, self._kha_folded(roles)):
+                if len(roles) == len(self.kha):  # all folded: torch's own forward, fast path included
+                    return nn.MultiheadAttention.forward(
+                        self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                        attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+                return self._kha_forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                         average_attn_weights, is_causal, skip=roles)
+        return self._kha_forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                 average_attn_weights, is_causal)
+
+    def _kha_forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                     average_attn_weights=True, is_causal=False, skip: tuple[str, ...] = ()):
+        """``F.multi_head_attention_forward`` step by step, transforms (but ``skip``) after the in-projection."""
         F = nn.functional
         is_batched = query.dim() == 3
         # keep `query is key is value` as torch does: it decides between one packed GEMM and three
@@ -263,7 +359,7 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
             q, k, v = F._in_projection(query, key, value, self.q_proj_weight, self.k_proj_weight,
                                        self.v_proj_weight, *b)
         # KHA: shared transforms over each head vector, right after the in-projection
-        q, k, v = (self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha else x
+        q, k, v = (self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha and r not in skip else x
                    for r, x in zip("qkv", (q, k, v)))  # (L, B, H, Dh) -> (L, B, E)
         if attn_mask is not None and attn_mask.dim() == 2:
             attn_mask = attn_mask.unsqueeze(0)
@@ -322,6 +418,45 @@ def _no_fast_path_hook(module, args, output):
     return None
 
 
+# only torch's transformer module reads the folded view (its encoder-layer fast path bypasses our forward);
+# every other reader, kc.fold's commit included, gets the parameter itself
+_FAST_PATH_READER = "torch.nn.modules.transformer"
+_MHA_WEIGHTS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def _token_side_only(module: KHAMultiheadAttention) -> bool:
+    """True when the encoder layer's fast path would miss transforms: a non-foldable one, or strategy "token"."""
+    kha = module.__dict__.get("_modules", {}).get("kha")
+    if not isinstance(kha, KHATransforms):
+        return False
+    return module.kha_strategy == "token" or any(not kind_of(t).foldable for t in kha.values())
+
+
+def _sync_fast_path_hook(module: KHAMultiheadAttention) -> None:
+    """Keep the no-op hook (it switches the encoder layer's fast path off) exactly when it is needed."""
+    hook = module.__dict__.get("_kha_hook")
+    if _token_side_only(module):
+        if hook is None:
+            module.__dict__["_kha_hook"] = module.register_forward_hook(_no_fast_path_hook)
+    elif hook is not None:
+        hook.remove()
+        del module.__dict__["_kha_hook"]
+
+
+def _effective_in_proj(module: KHAMultiheadAttention, name: str) -> Optional[Tensor]:
+    """The folded ``name`` (cached) while no gradient is needed and every transform folds, else None."""
+    kha = module._modules.get("kha")
+    if not isinstance(kha, KHATransforms) or _token_side_only(module) or torch.compiler.is_compiling():
+        return None
+    roles = module._kha_roles()
+    if not roles or len(roles) != len(kha):
+        return None
+    sources = module._kha_sources(roles)
+    if needs_grad(sources) or torch.overrides.has_torch_function(tuple(sources)):
+        return None
+    return dict(module._kha_folded(roles)).get(name)
+
+
 def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.MultiheadAttention:
     """Give an ``nn.MultiheadAttention`` its KHA transforms in place."""
     if module.bias_k is not None or module.add_zero_attn:
@@ -331,16 +466,18 @@ def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.Multi
                                 for r, k in kinds.items()})
     module.__class__ = KHAMultiheadAttention
     module.kha = transforms
-    module._kha_hook = module.register_forward_hook(_no_fast_path_hook)
+    _sync_fast_path_hook(module)
     return module
 
 
 def detach_mha(module: nn.Module) -> nn.Module:
     if isinstance(module, KHAMultiheadAttention):
-        module._kha_hook.remove()
-        del module._kha_hook
+        hook = module.__dict__.pop("_kha_hook", None)
+        if hook is not None:
+            hook.remove()
         del module.kha
-        module.__dict__.pop("_kha_handler", None)
+        for attr in ("_kha_handler", "_kha_strategy", "_kha_fold_cache"):
+            module.__dict__.pop(attr, None)
         module.__class__ = nn.MultiheadAttention
     return module
 

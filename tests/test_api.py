@@ -165,7 +165,7 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path):
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == ["kha_config.json", "kha_model.safetensors"]
     meta = json.loads((tmp_path / "ckpt" / "kha_config.json").read_text())
-    assert meta["version"] == 1 and meta["q"] == "linear" and meta["v"] == "mlp"
+    assert meta["version"] == kc.config.CONFIG_VERSION and meta["q"] == "linear" and meta["v"] == "mlp"
     fresh = zoo.make("llama")
     kc.load_pretrained(fresh.model, tmp_path / "ckpt")
     assert torch.equal(run(fresh), run(case))

@@ -88,7 +88,8 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
             for r, tk in kinds.items():
                 path = paths[r]
                 entry = plan.setdefault(path, PlanEntry(path, _name(handlers[r][0]), [], {},
-                                                        int(raw.roles[r].projection.feature_map.numel())))
+                                                        int(raw.roles[r].projection.feature_map.numel()),
+                                                        cfg.strategy if cfg is not None else "auto"))
                 if any(s.role == r for s in entry.slots):
                     continue
                 entry.slots.append(slots[r])

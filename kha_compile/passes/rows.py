@@ -19,17 +19,20 @@ from ..modules import HeadSlot
 __all__ = ["fold_rows"]
 
 
-def fold_rows(weight: Tensor, bias: Optional[Tensor], slot: HeadSlot, t: Tensor, axis: int
-              ) -> tuple[Tensor, Optional[Tensor]]:
+def fold_rows(weight: Tensor, bias: Optional[Tensor], slot: HeadSlot, t: Tensor, axis: int, *,
+              detach: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """New (weight, bias) with ``x -> x @ t`` folded into the head slices of ``slot``.
+
+    ``detach=False`` keeps the autograd graph (weight-side execution: gradients reach W, b and t).
 
     Example::
 
         w2, b2 = fold_rows(lin.weight, lin.bias, HeadSlot("v", 0, 4, 16, 16), T, axis=0)
     """
     idx = slot.index().flatten().to(weight.device)  # (H*Dh,)
-    t32 = t.detach().to(torch.float32)
-    w = weight.detach().to(torch.float32)
+    keep = (lambda x: x.detach()) if detach else (lambda x: x)
+    t32 = keep(t).to(torch.float32)
+    w = keep(weight).to(torch.float32)
     w_role = w.index_select(axis, idx)
     if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
         w_new = torch.einsum("jk,hji->hki", t32, w_role.reshape(slot.num_heads, slot.head_dim, -1))
@@ -39,7 +42,7 @@ def fold_rows(weight: Tensor, bias: Optional[Tensor], slot: HeadSlot, t: Tensor,
         w = w.index_copy(1, idx, w_new.reshape(w.shape[0], -1))
     b = None
     if bias is not None:
-        b32 = bias.detach().to(torch.float32)
+        b32 = keep(bias).to(torch.float32)
         b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim) @ t32
         b = b32.index_copy(0, idx, b_new.reshape(-1)).to(bias.dtype)
     return w.to(weight.dtype), b

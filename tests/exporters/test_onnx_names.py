@@ -104,7 +104,7 @@ def test_metadata_records_config_sites_and_version(llama):
     assert meta == read_kha_metadata(model)  # path or loaded model
     assert meta["version"] == kc.__version__
     assert meta["kha"] == "applied" and meta["folded"] is True
-    assert meta["config"] == {"version": 1, "q": "linear", "k": None, "v": "mlp"}
+    assert meta["config"] == {"version": 2, "q": "linear", "k": None, "v": "mlp", "strategy": "auto"}
     report = kc.inspect(case.model, *case.example)
     assert [s["name"] for s in meta["sites"]] == [s.name for s in report.matched]
     assert len(meta["sites"]) == case.num_sites

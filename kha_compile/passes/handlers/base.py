@@ -38,6 +38,7 @@ class PlanEntry:
     slots: list[HeadSlot]
     kinds: dict[str, str]  # role -> transform kind
     out_features: int  # size of the weight's output axis (as the graph indexes it)
+    strategy: str = "auto"  # linear KHA execution: "auto" | "weight" | "token" (kha_compile.strategy)
 
 
 def owner_of(model: nn.Module, m: "RoleMatch") -> Optional[nn.Module]:
@@ -91,6 +92,15 @@ class ProjectionHandler:
         Computes only; the caller checks and writes them. Raises :class:`FoldError` when it cannot.
         """
         raise FoldError(f"the {self.name!r} projection handler cannot fold KHA transforms. Nothing was changed.")
+
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+        """The parameters to run ``module`` with so its output carries the linear transforms of ``roles``.
+
+        Like :meth:`fold`, but differentiable (autograd records the fold, so W, b and T get exact
+        gradients) and called on every weight-side forward. ``None``: this handler has no
+        weight-side execution, the transforms run on the output (token-side).
+        """
+        return None
 
 
 def _base_class(module: nn.Module) -> type[nn.Module]:
@@ -147,25 +157,43 @@ class ModuleProjectionHandler(ProjectionHandler):
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
         attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
         setattr(module, HANDLER_ATTR, self.name)
+        if entry.strategy != "auto":
+            setattr(module, "kha_strategy", entry.strategy)
 
     def detach(self, module: nn.Module) -> None:
         module.__dict__.pop(HANDLER_ATTR, None)
         detach(module)
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
-        slots: list[HeadSlot] = [s for s in getattr(module, "_kha_slots") if s.role in roles]
-        if not slots:
-            return []
         axis = weight_out_axis(module, getattr(module, "_kha_out_features"))
         if axis is None:
             raise FoldError(f"cannot fold into {_base_class(module).__name__}: the orientation of its weight "
                             "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
                             "Nothing was changed.")
+        return self._folded(module, roles, axis, detach=True)
+
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+        if not isinstance(module._parameters.get("weight"), Tensor):
+            return None
+        axis = module.__dict__.get("_kha_weight_axis")
+        if axis is None:
+            axis = weight_out_axis(module, getattr(module, "_kha_out_features"))
+            if axis is None:
+                return None
+            module.__dict__["_kha_weight_axis"] = axis
+        return self._folded(module, roles, axis, detach=False)
+
+    @staticmethod
+    def _folded(module: nn.Module, roles: Sequence[str], axis: int, *, detach: bool) -> list[tuple[str, Tensor]]:
+        """(name, tensor) of weight and bias with the transforms of ``roles`` folded in (fold_rows per slot)."""
+        slots: list[HeadSlot] = [s for s in getattr(module, "_kha_slots") if s.role in roles]
+        if not slots:
+            return []
         w: Tensor = getattr(module, "weight")
         b: Optional[Tensor] = getattr(module, "bias", None)
         for s in slots:
             kha = transforms_of(module)[s.role]
-            w, b = fold_rows(w, b, s, kind_of(kha).fold_matrix(kha), axis)
+            w, b = fold_rows(w, b, s, kind_of(kha).fold_matrix(kha), axis, detach=detach)
         out = [("weight", w)]
         if b is not None:
             out.append(("bias", b))

@@ -42,6 +42,7 @@ class MHAHandler(ProjectionHandler):
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
         attach_mha(module, entry.kinds)  # type: ignore[arg-type]  # accepts() checked the class
         setattr(module, HANDLER_ATTR, self.name)
+        setattr(module, "kha_strategy", entry.strategy)
 
     def detach(self, module: nn.Module) -> None:
         module.__dict__.pop(HANDLER_ATTR, None)
@@ -49,6 +50,14 @@ class MHAHandler(ProjectionHandler):
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         """New in-projection tensors with the linear transforms of ``roles`` folded in."""
+        return self._folded(module, roles, detach=True)
+
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+        """The in-projection tensors to run torch's own forward with (differentiable fold)."""
+        return self._folded(module, roles, detach=False)
+
+    @staticmethod
+    def _folded(module: nn.Module, roles: Sequence[str], *, detach: bool) -> list[tuple[str, Tensor]]:
         m = module
         assert isinstance(m, KHAMultiheadAttention)  # owns() / attach() made it one
         kha = transforms_of(m)
@@ -56,20 +65,24 @@ class MHAHandler(ProjectionHandler):
         todo = [(i, r, kind_of(kha[r]).fold_matrix(kha[r])) for i, r in enumerate(ROLES) if r in roles]
         if not todo:
             return []
-        bias: Optional[Tensor] = m.in_proj_bias
+        p = m._parameters  # the parameters themselves (attribute reads may give the folded view)
+        bias: Optional[Tensor] = p.get("in_proj_bias")
         out: list[tuple[str, Tensor]] = []
         if m._qkv_same_embed_dim:  # packed [Wq; Wk; Wv] rows
-            w: Tensor = m.in_proj_weight
+            w = p["in_proj_weight"]
+            assert w is not None
             for i, r, t in todo:
-                w, bias = fold_rows(w, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0)
+                w, bias = fold_rows(w, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0, detach=detach)
             out.append(("in_proj_weight", w))
         else:
             for i, r, t in todo:
-                w, _ = fold_rows(getattr(m, f"{r}_proj_weight"), None, HeadSlot(r, 0, H, Dh, Dh), t, 0)
+                wr = p[f"{r}_proj_weight"]
+                assert wr is not None
+                w, _ = fold_rows(wr, None, HeadSlot(r, 0, H, Dh, Dh), t, 0, detach=detach)
                 out.append((f"{r}_proj_weight", w))
                 if bias is not None:  # the bias stays packed: fold into its [i*E, (i+1)*E) slice
                     rows = torch.empty(bias.shape[0], 1, dtype=bias.dtype, device=bias.device)
-                    _, bias = fold_rows(rows, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0)
+                    _, bias = fold_rows(rows, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0, detach=detach)
         if bias is not None:
             out.append(("in_proj_bias", bias))
         return out
