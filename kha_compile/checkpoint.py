@@ -12,6 +12,7 @@ from torch import nn
 from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
 from .errors import CheckpointError, KHAError, NoKHATransformsError
+from .modules import transforms_of
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -32,9 +33,9 @@ def config_of(model: nn.Module) -> dict[str, Any]:
     strategies: set[str] = set()
     for _, module in kha_modules(model):
         strategies.add(getattr(module, "kha_strategy", "auto"))
-        for role, t in module.kha.items():
+        for role, t in transforms_of(module).items():
             if roles.get(role) != "mlp":
-                roles[role] = t.kind
+                roles[role] = str(getattr(t, "kind"))
     strategy = strategies.pop() if len(strategies) == 1 else "auto"  # set per module: not one config value
     return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v"),
             "strategy": strategy}

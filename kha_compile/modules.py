@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -99,9 +99,11 @@ def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, Optional
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
-def _pieces(bounds: list[tuple[int, int, Optional[tuple[int, nn.Module]]]], width: int):
+def _pieces(bounds: Sequence[tuple[int, int, Optional[tuple[int, nn.Module]]]], width: int
+            ) -> list[tuple[int, int, Optional[tuple[int, nn.Module]]]]:
     """Fill the gaps between transformed segments with untouched ones, in order."""
-    pieces, pos = [], 0
+    pieces: list[tuple[int, int, Optional[tuple[int, nn.Module]]]] = []
+    pos = 0
     for start, length, tf in sorted(bounds, key=lambda b: b[0]):
         if start > pos:
             pieces.append((pos, start - pos, None))
@@ -137,7 +139,7 @@ class KHAProjection(nn.Module):
 
     def _kha_sources(self, roles: tuple[str, ...]) -> list[Tensor]:
         """The tensors a fold of ``roles`` reads: weight, bias, and each role's transform parameters."""
-        out = [t for t in (self._parameters.get("weight"), self._parameters.get("bias")) if t is not None]
+        out: list[Tensor] = [t for t in (self._parameters.get("weight"), self._parameters.get("bias")) if t is not None]
         for r in roles:
             out.extend(kind_of(self.kha[r]).params(self.kha[r]))
         return out
@@ -236,8 +238,8 @@ def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str]
     _plan(tuple(s for s in slots if s.role in transforms), out_features)  # refuse odd layouts up front
     module.__class__ = kha_class_for(type(module))
     module.kha = transforms
-    module._kha_slots = tuple(slots)
-    module._kha_out_features = out_features
+    module.__dict__["_kha_slots"] = tuple(slots)  # plain attributes (not parameters or modules)
+    module.__dict__["_kha_out_features"] = out_features
     return module
 
 
@@ -249,7 +251,7 @@ def detach(module: nn.Module) -> nn.Module:
     for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler", "kha_strategy",
                  "_kha_fold_cache", "_kha_weight_axis"):
         module.__dict__.pop(attr, None)
-    module.__class__ = type(module)._kha_base_class
+    module.__class__ = getattr(type(module), "_kha_base_class")
     return module
 
 
@@ -290,7 +292,7 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
 
     def _kha_sources(self, roles: tuple[str, ...]) -> list[Tensor]:
         names = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-        out = [t for t in (self._parameters.get(n) for n in names) if t is not None]
+        out: list[Tensor] = [t for t in (self._parameters.get(n) for n in names) if t is not None]
         for r in roles:
             out.extend(kind_of(self.kha[r]).params(self.kha[r]))
         return out
@@ -303,8 +305,8 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
 
     def __getattr__(self, name: str):
         """The effective in-projection for ``nn.TransformerEncoderLayer``'s fast path; the parameter otherwise."""
-        if name in _MHA_WEIGHTS and "_kha_swapped" not in self.__dict__ and \
-                sys._getframe(1).f_globals.get("__name__") == _FAST_PATH_READER:
+        if name in _MHA_WEIGHTS and "_kha_swapped" not in self.__dict__ and not torch.compiler.is_compiling() \
+                and sys._getframe(1).f_globals.get("__name__") == _FAST_PATH_READER:
             eff = _effective_in_proj(self, name)
             if eff is not None:
                 return eff
@@ -353,10 +355,12 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
             if key_padding_mask is not None:
                 is_causal = False
         if self._qkv_same_embed_dim:
-            q, k, v = F._in_projection_packed(query, key, value, self.in_proj_weight, self.in_proj_bias)
+            q, k, v = F._in_projection_packed(  # type: ignore[attr-defined]
+                query, key, value, self.in_proj_weight, self.in_proj_bias)
         else:
             b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
-            q, k, v = F._in_projection(query, key, value, self.q_proj_weight, self.k_proj_weight,
+            q, k, v = F._in_projection(query, key, value,  # type: ignore[attr-defined]
+                                        self.q_proj_weight, self.k_proj_weight,
                                        self.v_proj_weight, *b)
         # KHA: shared transforms over each head vector, right after the in-projection
         q, k, v = (self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha and r not in skip else x
@@ -424,15 +428,15 @@ _FAST_PATH_READER = "torch.nn.modules.transformer"
 _MHA_WEIGHTS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
-def _token_side_only(module: KHAMultiheadAttention) -> bool:
+def _token_side_only(module: nn.Module) -> bool:
     """True when the encoder layer's fast path would miss transforms: a non-foldable one, or strategy "token"."""
     kha = module.__dict__.get("_modules", {}).get("kha")
     if not isinstance(kha, KHATransforms):
         return False
-    return module.kha_strategy == "token" or any(not kind_of(t).foldable for t in kha.values())
+    return getattr(module, "kha_strategy", "auto") == "token" or any(not kind_of(t).foldable for t in kha.values())
 
 
-def _sync_fast_path_hook(module: KHAMultiheadAttention) -> None:
+def _sync_fast_path_hook(module: nn.Module) -> None:
     """Keep the no-op hook (it switches the encoder layer's fast path off) exactly when it is needed."""
     hook = module.__dict__.get("_kha_hook")
     if _token_side_only(module):
@@ -478,7 +482,7 @@ def detach_mha(module: nn.Module) -> nn.Module:
         del module.kha
         for attr in ("_kha_handler", "_kha_strategy", "_kha_fold_cache"):
             module.__dict__.pop(attr, None)
-        module.__class__ = nn.MultiheadAttention
+        module.__class__ = nn.MultiheadAttention  # type: ignore[assignment]
     return module
 
 

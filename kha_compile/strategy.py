@@ -11,9 +11,10 @@ Linear KHA can run two ways with the same result:
 ``"auto"`` picks weight-side when the call has more tokens than the projection has input features
 (every realistic training step), and always when no gradient is needed: then the folded weight
 is cached and recomputed only when a source tensor changes (a new object, storage, dtype, device,
-or a bumped ``_version`` counter: optimizer steps and in-place edits bump it). Inside
-``torch.compile`` auto stays token-side (the ``"kha"`` backend folds by itself), and so do
-sharded weights (DTensor: anything with ``__torch_function__``). MLP-value never folds, so it is
+or a bumped ``_version`` counter: optimizer steps and in-place edits bump it). Code traced by
+``torch.compile`` / ``torch.export`` stays token-side whatever the strategy (the ``"kha"`` backend
+folds by itself), and auto stays token-side for sharded weights (DTensor: anything with
+``__torch_function__``). MLP-value never folds, so it is
 always token-side; on a fused projection that carries both, the linear roles go weight-side.
 
 Choose per model with ``KHAConfig(strategy=...)``, or per module with its ``kha_strategy``
@@ -66,9 +67,11 @@ def use_weight_side(strategy: str, sources: Sequence[Tensor], tokens: int, in_fe
         use_weight_side("auto", [w, t], tokens=8192, in_features=1024)    # True
     """
     strategy = check_strategy(strategy, "kha_strategy")
+    if torch.compiler.is_compiling():  # traced code stays token-side: the "kha" backend folds by itself
+        return False
     if strategy != "auto":
         return strategy == "weight"
-    if torch.compiler.is_compiling() or torch.overrides.has_torch_function(tuple(sources)):
+    if torch.overrides.has_torch_function(tuple(sources)):
         return False
     return not needs_grad(sources) or tokens > in_features
 

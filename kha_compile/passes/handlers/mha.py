@@ -69,8 +69,9 @@ class MHAHandler(ProjectionHandler):
         bias: Optional[Tensor] = p.get("in_proj_bias")
         out: list[tuple[str, Tensor]] = []
         if m._qkv_same_embed_dim:  # packed [Wq; Wk; Wv] rows
-            w = p["in_proj_weight"]
-            assert w is not None
+            packed = p["in_proj_weight"]
+            assert packed is not None
+            w: Tensor = packed
             for i, r, t in todo:
                 w, bias = fold_rows(w, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0, detach=detach)
             out.append(("in_proj_weight", w))
@@ -78,8 +79,8 @@ class MHAHandler(ProjectionHandler):
             for i, r, t in todo:
                 wr = p[f"{r}_proj_weight"]
                 assert wr is not None
-                w, _ = fold_rows(wr, None, HeadSlot(r, 0, H, Dh, Dh), t, 0, detach=detach)
-                out.append((f"{r}_proj_weight", w))
+                wf, _ = fold_rows(wr, None, HeadSlot(r, 0, H, Dh, Dh), t, 0, detach=detach)
+                out.append((f"{r}_proj_weight", wf))
                 if bias is not None:  # the bias stays packed: fold into its [i*E, (i+1)*E) slice
                     rows = torch.empty(bias.shape[0], 1, dtype=bias.dtype, device=bias.device)
                     _, bias = fold_rows(rows, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0, detach=detach)
