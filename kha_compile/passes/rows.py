@@ -33,13 +33,15 @@ def fold_rows(weight: Tensor, bias: Optional[Tensor], slot: HeadSlot, t: Tensor,
     keep = (lambda x: x.detach()) if detach else (lambda x: x)
     t32 = keep(t).to(torch.float32)
     w = keep(weight).to(torch.float32)
-    w_role = w.index_select(axis, idx)
+    whole = slot.offset == 0 and slot.head_stride == slot.head_dim and slot.span == w.shape[axis]
+    w_role = w if whole else w.index_select(axis, idx)  # a separate projection: every row is a head row
     if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
         w_new = torch.einsum("jk,hji->hki", t32, w_role.reshape(slot.num_heads, slot.head_dim, -1))
-        w = w.index_copy(0, idx, w_new.reshape(-1, w.shape[1]))
+        w_new = w_new.reshape(-1, w.shape[1])
+        w = w_new.contiguous() if whole else w.index_copy(0, idx, w_new)
     else:  # (in, H*Dh) -> (in, H, Dh) @ T
-        w_new = w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32
-        w = w.index_copy(1, idx, w_new.reshape(w.shape[0], -1))
+        w_new = (w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32).reshape(w.shape[0], -1)
+        w = w_new.contiguous() if whole else w.index_copy(1, idx, w_new)
     b = None
     if bias is not None:
         b32 = keep(bias).to(torch.float32)
