@@ -165,7 +165,9 @@ class KHAProjection(nn.Module):
     def _kha_layout(self, skip: tuple[str, ...] = ()) -> tuple[tuple[HeadSlot, ...], str, int]:
         """(active slots, plan, stride) of the roles not in ``skip``, computed once per set of roles."""
         roles = tuple(r for r in self.kha.keys() if r not in skip)
-        cache: dict = self.__dict__.setdefault("_kha_cached_layout", {})
+        cache = self.__dict__.get("_kha_cached_layout")
+        if not isinstance(cache, dict):  # none yet (or a pickle from before strategies)
+            cache = self.__dict__["_kha_cached_layout"] = {}
         cached = cache.get(roles)
         if cached is None:
             slots = tuple(s for s in self._kha_slots if s.role in roles)
