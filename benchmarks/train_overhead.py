@@ -23,11 +23,10 @@ import os
 import statistics
 
 import torch
+from _common import add_threads_arg, apply_threads, interleaved_times, write_json
 from torch.utils.flop_counter import FlopCounterMode
 
 import kha_compile as kc
-
-from _common import add_threads_arg, apply_threads, interleaved_times, write_json
 
 SHAPES = {  # name: (hidden, intermediate, layers, q heads, kv heads, seq, batch)
     "small-batch": (1024, 2816, 4, 8, 4, 512, 2),
@@ -105,14 +104,14 @@ def run_shape(shape: str, repeats: int) -> dict:
           f"each, in turns; load average {load_before:.2f} -> {load_after:.2f}")
     print(f"  {'variant':14s} {'median ms':>10s} {'min ms':>9s} {'time ratio':>11s} {'min ratio':>10s} {'FLOP ratio':>11s}")
     record: dict = {"tokens": tokens, "hidden": hidden, "layers": layers, "load_avg": [load_before, load_after]}
-    for name in med:
-        r_med, r_min = med[name] / med["baseline"], low[name] / low["baseline"]
+    for name, m_s in med.items():
+        r_med, r_min = m_s / med["baseline"], low[name] / low["baseline"]
         note = ""
         if name.startswith("linear") and shape == "realistic":
             note = f"  (goal <= {LINEAR_GOAL}) {'OK' if r_med <= LINEAR_GOAL else 'MISSED'}"
-        print(f"  {name:14s} {med[name] * 1e3:10.1f} {low[name] * 1e3:9.1f} {r_med:11.4f} {r_min:10.4f} "
+        print(f"  {name:14s} {m_s * 1e3:10.1f} {low[name] * 1e3:9.1f} {r_med:11.4f} {r_min:10.4f} "
               f"{flops[name]:11.4f}{note}")
-        record[name] = {"median_s": med[name], "min_s": low[name], "time_ratio": r_med, "min_ratio": r_min,
+        record[name] = {"median_s": m_s, "min_s": low[name], "time_ratio": r_med, "min_ratio": r_min,
                         "flop_ratio": flops[name]}
     return record
 

@@ -28,14 +28,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .errors import KHAConfigError
 
-__all__ = ["STRATEGIES", "check_strategy", "use_weight_side", "needs_grad", "cached_fold", "swapped_params"]
+__all__ = ["STRATEGIES", "cached_fold", "check_strategy", "needs_grad", "swapped_params", "use_weight_side"]
 
 STRATEGIES = ("auto", "weight", "token")
 
@@ -76,7 +76,7 @@ def use_weight_side(strategy: str, sources: Sequence[Tensor], tokens: int, in_fe
     return not needs_grad(sources) or tokens > in_features
 
 
-def _key(sources: Sequence[Tensor]) -> Optional[tuple]:
+def _key(sources: Sequence[Tensor]) -> tuple | None:
     try:
         return tuple((t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in sources)
     except RuntimeError:  # inference tensors have no version counter: no caching

@@ -11,15 +11,14 @@ import dataclasses
 
 import pytest
 import torch
+import zoo
+from helpers import main_output, perturb
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import kha_compile as kc
 import kha_compile.modules as kmod
 from kha_compile.errors import KHAConfigError
-
-import zoo
-from helpers import main_output, perturb
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 
@@ -104,7 +103,7 @@ def test_weight_side_equals_token_side(name, cfg, dtype, swaps):
 def test_auto_picks_weight_side_above_in_features_only(swaps):
     lin = nn.Linear(16, 32)
     proj = kmod.attach(lin, (kmod.HeadSlot("v", 0, 2, 16, 16),), {"v": "linear"}, 32)
-    setattr(proj, "_kha_handler", "linear")
+    proj._kha_handler = "linear"
     x_few, x_many = torch.randn(2, 8, 16), torch.randn(2, 9, 16)  # 16 tokens = in_features; 18 > 16
     proj(x_few)
     assert swaps == []
