@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError",
+    "ExportError", "BackendUnavailableError", "OpInputError", "RegistrationError", "AnalysisError",
 ]
 
 
@@ -53,3 +53,11 @@ class BackendUnavailableError(KHAError, ImportError):
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class RegistrationError(KHAError, ValueError):
+    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
+
+
+class AnalysisError(KHAError):
+    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""

@@ -407,6 +407,13 @@ def _anchors(g: _Graph) -> list[tuple[Node, str, dict[str, Node], dict[str, int]
             found = _manual(g, node)
             if found is not None:
                 out.append(found)
+        else:  # forms' rules (flex_attention, external); the registry of rules replaces this loop
+            from .rules import attention_rules
+            for rule in attention_rules():
+                a = rule.match(g, node)
+                if a is not None:
+                    out.append((a.node, a.rule, a.roles, a.head_dims, a.reason))
+                    break
     return out
 
 
