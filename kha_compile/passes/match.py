@@ -409,11 +409,9 @@ def _anchors(g: _Graph) -> list[tuple[Node, str, dict[str, Node], dict[str, int]
             q, k, v = node.args[:3]
             dims = {r: (shape_of(n) or (0,))[-1] for r, n in zip("qkv", (q, k, v))}
             out.append((node, "sdpa", {"q": q, "k": k, "v": v}, dims, ""))
-        elif node.target in SOFTMAX_OPS:
-            found = _manual(g, node)
-            if found is not None:
-                out.append(found)
-        else:  # forms' rules (flex_attention, external); the registry of rules replaces this loop
+        elif node.target in SOFTMAX_OPS and (found := _manual(g, node)) is not None:
+            out.append(found)
+        else:  # forms' rules (einsum_softmax, flex_attention, external); the registry replaces this loop
             from .rules import attention_rules
             for rule in attention_rules():
                 a = rule.match(g, node)

@@ -1,12 +1,13 @@
 """Attention rules, tried in order on every graph node; the first that answers wins.
 
 (Placeholder of helper "forms": the registry of helper "arch" replaces this file; the interface is
-the same. Forms' rules: ``flex_attention`` then ``external``, registered after sdpa/manual_softmax.)
+the same. Forms' rules: ``einsum_softmax``, ``flex_attention`` then ``external``, registered after sdpa/manual_softmax.)
 """
 from __future__ import annotations
 
 from .base import Anchor, AttentionRule
 from .external import ExternalAttentionRule, register_attention_op
+from .einsum_softmax import EinsumSoftmaxRule
 from .flex_attention import FlexAttentionRule
 
 __all__ = ["Anchor", "AttentionRule", "register_rule", "attention_rules", "register_attention_op"]
@@ -19,7 +20,8 @@ def register_rule(rule: AttentionRule, *, first: bool = False) -> None:
 
     Example::
 
-        register_rule(FlexAttentionRule())
+        register_rule(EinsumSoftmaxRule())
+register_rule(FlexAttentionRule())
     """
     if any(r.name == rule.name for r in _RULES):
         raise ValueError(f"an attention rule named {rule.name!r} is registered already")
@@ -39,5 +41,6 @@ def attention_rules() -> list[AttentionRule]:
     return list(_RULES)
 
 
+register_rule(EinsumSoftmaxRule())
 register_rule(FlexAttentionRule())
 register_rule(ExternalAttentionRule())
