@@ -119,7 +119,7 @@ def _hf(kind: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("kind,anchor_kind", [("llama", "gqa"), ("bert", "mha")])
-def test_transformers_flex_apply_identity_forward_and_fold(kind, anchor_kind):
+def test_transformers_flex_linear_apply_identity_forward_and_fold(kind, anchor_kind):
     model = _hf(kind)
     ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
