@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from form_checks import check_form
 
 V, T = 128, 8

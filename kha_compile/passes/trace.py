@@ -150,17 +150,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (args, kwargs):
+        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs):
             try:
                 with _representatives(model, dedupe_blocks) as groups:
-                    ep = _export_grad_or_not(model, args, kwargs)
+                    ep = _export_grad_or_not(model, t_args, t_kwargs)
             except TraceError:
                 if not (dedupe_blocks and groups):
                     raise
                 # the model's code depends on its depth in a way the cut-down copy breaks: trace it whole
                 log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
                 groups = {}
-                ep = _export_grad_or_not(model, args, kwargs)
+                ep = _export_grad_or_not(model, t_args, t_kwargs)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(was_training)
@@ -209,7 +209,7 @@ def _exportable(value: object) -> bool:
     from torch.utils import _pytree
     try:
         leaves = _pytree.tree_leaves(value)
-    except Exception:  # a pytree node that cannot be flattened
+    except Exception:  # noqa: BLE001  # a pytree node that cannot be flattened
         return False
     return all(isinstance(leaf, _LEAF_TYPES) for leaf in leaves)
 

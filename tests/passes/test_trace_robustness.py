@@ -8,12 +8,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from form_checks import check_form
 from torch import nn
 
 import kha_compile as kc
-from form_checks import check_form
 from kha_compile.errors import AnalysisError
-from kha_compile.passes import match
 
 D, H, T = 32, 4, 6
 HD = D // H
@@ -130,7 +129,7 @@ def test_non_pytree_inputs_are_bound_as_constants_and_forward_restored():
 
 @pytest.mark.parametrize("step", ["find_sites", "build_sites"])
 def test_an_unexpected_failure_is_a_kha_error_naming_the_step_and_the_model_is_untouched(monkeypatch, step):
-    import kha_compile.api as api
+    from kha_compile import api
 
     def boom(*a, **k):
         raise IndexError("synthetic bug")

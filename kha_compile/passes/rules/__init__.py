@@ -6,11 +6,11 @@ the same. Forms' rules: ``einsum_softmax``, ``flex_attention`` then ``external``
 from __future__ import annotations
 
 from .base import Anchor, AttentionRule
-from .external import ExternalAttentionRule, register_attention_op
 from .einsum_softmax import EinsumSoftmaxRule
+from .external import ExternalAttentionRule, register_attention_op
 from .flex_attention import FlexAttentionRule
 
-__all__ = ["Anchor", "AttentionRule", "register_rule", "attention_rules", "register_attention_op"]
+__all__ = ["Anchor", "AttentionRule", "attention_rules", "register_attention_op", "register_rule"]
 
 _RULES: list[AttentionRule] = []
 

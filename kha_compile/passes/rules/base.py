@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.fx import Node
 
@@ -28,5 +28,5 @@ class AttentionRule(Protocol):
 
     name: str
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:  # None: not this rule's op
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:  # None: not this rule's op
         ...

@@ -8,7 +8,7 @@ scores and the softmax, dropout between the softmax and the value einsum.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Node
@@ -25,19 +25,19 @@ aten = torch.ops.aten
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 
 
-def _parse(node: Node) -> Optional[tuple[list[str], str, list[Node]]]:
+def _parse(node: Node) -> tuple[list[str], str, list[Node]] | None:
     """(input subscripts, output subscript, operands) of a two-operand einsum node."""
     if node.op != "call_function" or node.target is not aten.einsum.default or len(node.args) < 2:
         return None
     eq, operands = node.args[0], node.args[1]
-    if not isinstance(eq, str) or "->" not in eq or "..." in eq or len(operands) != 2 \
-            or not all(isinstance(o, Node) for o in operands):
+    if not isinstance(eq, str) or "->" not in eq or "..." in eq or not isinstance(operands, (list, tuple)) \
+            or len(operands) != 2 or not all(isinstance(o, Node) for o in operands):
         return None
     lhs, out = eq.replace(" ", "").split("->")
     ins = lhs.split(",")
     if len(ins) != 2:
         return None
-    return ins, out, list(operands)
+    return ins, out, [cast(Node, o) for o in operands]
 
 
 def _contracted(ins: list[str], out: str) -> list[str]:
@@ -55,7 +55,7 @@ class EinsumSoftmaxRule:
 
     name = "einsum_softmax"
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         if node.op != "call_function" or node.target not in _SOFTMAX:
             return None
         score = self._score(g, node)
@@ -80,10 +80,10 @@ class EinsumSoftmaxRule:
         return Anchor(vnode, self.name, {"q": q, "k": k, "v": v}, dims)
 
     @staticmethod
-    def _score(g: "MatchGraph", softmax: Node):
-        frontier = [softmax.args[0]]
+    def _score(g: MatchGraph, softmax: Node) -> Any:
+        frontier: list[Any] = [softmax.args[0]]
         for _ in range(10):  # masks, biases, scaling, soft-capping, casts
-            nxt = []
+            nxt: list[Node] = []
             for n in frontier:
                 if not isinstance(n, Node) or n.op != "call_function":
                     continue
@@ -100,10 +100,10 @@ class EinsumSoftmaxRule:
         return None
 
     @staticmethod
-    def _value(softmax: Node):
+    def _value(softmax: Node) -> Any:
         frontier = [softmax]
         for _ in range(6):  # dropout, casts, head masks
-            nxt = []
+            nxt: list[Node] = []
             for n in frontier:
                 for user in n.users:
                     parsed = _parse(user)

@@ -11,9 +11,10 @@ from projections, q and k with the same last dim) is reported with the call that
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import Node
@@ -25,8 +26,13 @@ from .base import Anchor
 if TYPE_CHECKING:  # pragma: no cover
     from ..match import _Graph as MatchGraph
 
-__all__ = ["register_attention_op", "registered_attention_ops", "unregister_attention_op",
-           "ExternalAttentionRule", "OpSpec"]
+__all__ = [
+    "ExternalAttentionRule",
+    "OpSpec",
+    "register_attention_op",
+    "registered_attention_ops",
+    "unregister_attention_op",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ def _op_name(op: Any) -> str:
 
 def _resolve(op: Any) -> tuple[list[Any], str]:
     """(the keys the graph can show for ``op``, its display name), or a RegistrationError."""
-    if hasattr(op, "_opoverload") and isinstance(getattr(op, "_opoverload"), torch._ops.OpOverload):
+    if hasattr(op, "_opoverload") and isinstance(op._opoverload, torch._ops.OpOverload):
         op = op._opoverload  # a torch.library.custom_op function
     if isinstance(op, torch._ops.OpOverloadPacket):
         overloads = [getattr(op, name) for name in op.overloads()]
@@ -121,8 +127,8 @@ def register_attention_op(op: Any, *, q: int = 0, k: int = 1, v: int = 2, layout
     if layout not in LAYOUTS:
         raise RegistrationError(f"layout must be one of {LAYOUTS} (where the heads axis is), got {layout!r}.")
     keys, name = _resolve(op)
-    from .flex_attention import FLEX_OPS
     from ..match import SDPA_OPS
+    from .flex_attention import FLEX_OPS
     if any(key in SDPA_OPS or key in FLEX_OPS for key in keys):
         raise RegistrationError(f"{name} is recognised already (rules sdpa / flex_attention); no need to register it.")
     _check_schema(keys, name, roles)
@@ -158,7 +164,7 @@ def registered_attention_ops() -> dict[str, OpSpec]:
         return {spec.name: spec for spec in _REGISTRY.values()}
 
 
-def _spec_of(target: Any) -> Optional[OpSpec]:
+def _spec_of(target: Any) -> OpSpec | None:
     spec = _REGISTRY.get(target)
     if spec is None and isinstance(target, torch._ops.OpOverload):
         spec = _REGISTRY.get(target.overloadpacket)
@@ -195,7 +201,7 @@ class ExternalAttentionRule:
 
     name = "external"
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         if node.op != "call_function":
             return None
         spec = _spec_of(node.target)
@@ -221,7 +227,7 @@ class ExternalAttentionRule:
                               f"k {hk}, v {hv}, which is not MHA/GQA/MQA; check the registered layout")
         return Anchor(node, self.name, dict(roles), {r: s[-1] for r, s in shapes.items()})  # type: ignore[index]
 
-    def _unregistered(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def _unregistered(self, g: MatchGraph, node: Node) -> Anchor | None:
         target = node.target
         if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
                 or _namespace(target) in _KNOWN_NAMESPACES:
@@ -243,7 +249,7 @@ class ExternalAttentionRule:
                       f"registered; if it computes attention, call {call} before kc.apply")
 
 
-def _guess_layout(g: "MatchGraph", node: Node) -> str:
+def _guess_layout(g: MatchGraph, node: Node) -> str:
     """"bhsd" or "bshd" for a 4-D q: which axis the projection's features vary along."""
     shape = shape_of(node)
     if shape is None or len(shape) != 4:
@@ -256,7 +262,7 @@ def _guess_layout(g: "MatchGraph", node: Node) -> str:
         if chain and pshape is not None:
             idx: Any = torch.arange(pshape[-1]).expand(pshape)
             try:
-                for prev, cur in zip(chain, chain[1:]):
+                for prev, cur in itertools.pairwise(chain):
                     if cur.target in LAYOUT_OPS and cur.args and cur.args[0] is prev:
                         idx = push_layout(idx, cur, prev, g.constants)
                     elif shape_of(cur) != shape_of(prev):
@@ -267,7 +273,7 @@ def _guess_layout(g: "MatchGraph", node: Node) -> str:
                             return "bhsd" if axis == 1 else "bshd"
             except (_NotLayout, RuntimeError, IndexError, TypeError):
                 pass
-    val = node.meta.get("val")
+    val: Any = node.meta.get("val")
     try:
         return "bhsd" if val.stride(1) < val.stride(2) else "bshd"
     except (AttributeError, TypeError, RuntimeError):

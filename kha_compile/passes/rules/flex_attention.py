@@ -7,7 +7,7 @@ of each head, after the head vectors are formed, so it does not change where KHA
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Node
@@ -18,7 +18,7 @@ from .base import Anchor
 if TYPE_CHECKING:  # pragma: no cover
     from ..match import _Graph as MatchGraph
 
-__all__ = ["FlexAttentionRule", "FLEX_OPS"]
+__all__ = ["FLEX_OPS", "FlexAttentionRule"]
 
 
 def _flex_ops() -> set[Any]:
@@ -43,16 +43,15 @@ class FlexAttentionRule:
 
     name = "flex_attention"
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         if node.op != "call_function" or node.target not in FLEX_OPS:
             return None
         if len(node.args) < 3 or not all(isinstance(a, Node) for a in node.args[:3]):
             return Anchor(node, self.name, {}, {}, "flex_attention call without q, k, v graph inputs")
-        q, k, v = node.args[:3]
-        shapes = [shape_of(n) for n in (q, k, v)]
-        if any(s is None for s in shapes):
+        q, k, v = (cast(Node, a) for a in node.args[:3])
+        qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+        if qs is None or ks is None or vs is None:
             return Anchor(node, self.name, {}, {}, "flex_attention inputs have symbolic shapes")
-        qs, ks, vs = shapes
         if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
             return Anchor(node, self.name, {}, {}, f"flex_attention inputs are not 4-D (q {qs}, k {ks}, v {vs})")
         if qs[-1] != ks[-1]:

@@ -10,14 +10,19 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-
-import kha_compile as kc
 from form_checks import check_form
 from helpers import kha_params, perturb
-from kha_compile.errors import ExportError, TraceError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+import kha_compile as kc
+from kha_compile.errors import ExportError
 
 D, T = 32, 8
 
@@ -109,8 +114,8 @@ transformers = pytest.importorskip("transformers")
 
 def _hf(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                  intermediate_size=128, max_position_embeddings=64)
+    common = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+                  "intermediate_size": 128, "max_position_embeddings": 64}
     if kind == "llama":
         cfg = transformers.LlamaConfig(num_key_value_heads=2, **common)
         return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
