@@ -170,6 +170,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
 
 
 _NO_BACKWARD = ("does not support backward",)  # e.g. "FlexAttention does not support backward on CPU"
+_REFUSES_GRAD: set[tuple[type, str]] = set()  # (model class, attention implementation) seen refusing grad
 
 
 def _export_grad_or_not(model: nn.Module, args: tuple, kwargs: dict):
@@ -179,12 +180,15 @@ def _export_grad_or_not(model: nn.Module, args: tuple, kwargs: dict):
     fast paths, so the per-head structure stays visible in the graph. The analysis never runs a
     backward, so a model whose forward refuses grad on this platform is traced under no_grad.
     """
-    with torch.enable_grad():
-        try:
-            return _export(model, args, kwargs)
-        except TraceError as exc:
-            if not any(text in _causes(exc) for text in _NO_BACKWARD):
-                raise
+    key = (type(model), str(getattr(getattr(model, "config", None), "_attn_implementation", "")))
+    if key not in _REFUSES_GRAD:
+        with torch.enable_grad():
+            try:
+                return _export(model, args, kwargs)
+            except TraceError as exc:
+                if not any(text in _causes(exc) for text in _NO_BACKWARD):
+                    raise
+        _REFUSES_GRAD.add(key)  # the next model of this kind goes straight to no_grad
     log.info("%s refuses grad on this platform; tracing it under no_grad", type(model).__name__)
     with torch.no_grad():
         return _export(model, args, kwargs)
