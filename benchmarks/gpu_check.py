@@ -32,7 +32,7 @@ log = logging.getLogger("gpu_check")
 # max |engine - onnxruntime| / max |onnxruntime| per precision
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 8e-2}
 SHAPES = [(2, 8), (3, 21)]          # (batch, seq): the example's, and another one
-DIM_RANGES = {"batch": (1, 2, 4), "seq": (1, 8, 64)}
+DIM_RANGES = {"batch": (1, 2, 4), "sequence": (1, 8, 64)}
 
 
 def build_model():

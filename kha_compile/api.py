@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .config import KHAConfig
-from .errors import AlreadyAppliedError, AnalysisError, KHAError, NoAttentionFoundError
-from .modules import detach, detach_mha, KHAMultiheadAttention
+from .errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
+from .passes.handlers import handler_of
 from .passes.inputs import example_inputs as _example_inputs
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
@@ -77,7 +77,7 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
     if cfg is None:
         cfg = KHAConfig()
     if not isinstance(cfg, KHAConfig):
-        raise KHAError(f"cfg must be a kha_compile.KHAConfig, got {type(cfg).__name__}; e.g. KHAConfig(v='mlp').")
+        raise KHAConfigError(f"cfg must be a kha_compile.KHAConfig, got {type(cfg).__name__}; e.g. KHAConfig(v='mlp').")
     existing = kha_modules(model)
     if existing:
         raise AlreadyAppliedError(
@@ -114,10 +114,12 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: Optional[d
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Take every KHA transform out of ``model`` (no folding): the original classes come back."""
+    """Take every KHA transform out of ``model`` (no folding): the original classes and outputs come back.
+
+    Example::
+
+        kc.remove(model)                  # the model computes exactly what it did before apply
+    """
     for _, module in kha_modules(model):
-        if isinstance(module, KHAMultiheadAttention):
-            detach_mha(module)
-        else:
-            detach(module)
+        handler_of(module).detach(module)
     return model

@@ -11,7 +11,7 @@ from torch import nn
 
 from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
-from .errors import CheckpointError, KHAError
+from .errors import CheckpointError, KHAError, NoKHATransformsError
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -48,7 +48,7 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
 
     state = kha_state(model)
     if not state:
-        raise KHAError(f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first.")
+        raise NoKHATransformsError(f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first.")
     directory = pathlib.Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError", "RegistrationError", "AnalysisError",
+    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
+    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError",
+    "RegistrationError", "AnalysisError",
 ]
 
 
@@ -47,6 +49,10 @@ class ExportError(KHAError):
     """An export step (ONNX, TensorRT) failed; the message names the step."""
 
 
+class ExportNamesError(ExportError, ValueError):
+    """input_names / output_names given to an export do not fit the model's inputs or outputs."""
+
+
 class BackendUnavailableError(KHAError, ImportError):
     """An optional backend (TensorRT, Triton, a GPU) is not available here."""
 
@@ -61,3 +67,57 @@ class RegistrationError(KHAError, ValueError):
 
 class AnalysisError(KHAError):
     """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
+
+
+class KernelCompileError(KHAError, ValueError):
+    """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
+
+
+__all__ += [
+    "BackendError", "BackendOptionError", "DeployError", "MissingDependencyError", "ModelLoadError",
+    "CommandError", "NoKHATransformsError",
+]
+
+
+class BackendError(KHAError):
+    """The torch.compile backend ``"kha"`` could not rewrite a graph as asked."""
+
+
+class BackendOptionError(BackendError, ValueError):
+    """An option of ``kc.backend(...)`` has a value outside the allowed set."""
+
+
+class DeployError(BackendError):
+    """Deploy mode (``kc.backend(from_pretrained=...)``) cannot place a checkpoint's transforms."""
+
+
+class MissingDependencyError(KHAError, ImportError):
+    """An optional Python package (transformers, onnxruntime, matplotlib, ...) is not installed."""
+
+
+class ModelLoadError(KHAError):
+    """A model named on the command line could not be found or loaded."""
+
+
+class CommandError(KHAError, ValueError):
+    """A ``kha-compile`` command was given arguments it cannot work with."""
+
+
+class NoKHATransformsError(KHAError):
+    """The model carries no KHA transforms where the operation needs some."""
+
+
+class UnknownTransformError(KHAConfigError):
+    """A transform kind name is not registered (kha_compile.transforms)."""
+
+
+class UnsupportedModelError(KHAError):
+    """The model has a construct kha_compile cannot put KHA into (the message names it)."""
+
+
+class UnsupportedLayoutError(UnsupportedModelError):
+    """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
+
+
+class RegistryError(KHAError, LookupError):
+    """A rule or projection-handler name is not registered."""

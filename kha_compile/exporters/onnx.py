@@ -17,18 +17,31 @@ import inspect
 import logging
 import os
 import pathlib
-import re
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import BackendUnavailableError, ExportError
+from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
+from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 
 __all__ = [
-    "MLP_VALUE_DOMAIN", "MLP_VALUE_OP", "MLP_VALUE_DOMAIN_VERSION", "PLUGIN_NAMESPACE",
-    "PLUGIN_VERSION", "PLUGIN_ID", "TensorInfo", "OnnxSummary", "export_onnx", "onnx_summary",
-    "mlp_value_function", "dynamic_axes_for",
+    "METADATA_KEYS",
+    "MLP_VALUE_DOMAIN",
+    "MLP_VALUE_DOMAIN_VERSION",
+    "MLP_VALUE_OP",
+    "PLUGIN_ID",
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION",
+    "OnnxSummary",
+    "TensorInfo",
+    "dynamic_axes_for",
+    "export_onnx",
+    "mlp_value_function",
+    "onnx_summary",
+    "read_kha_metadata",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,8 +55,6 @@ PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{MLP_VALUE_OP}"   # the id tensorrt.plugin.reg
 
 _MLP_VALUE_INPUTS = ("v", "w_up", "w_gate", "w_down")
 _PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
-_BATCH, _SEQ = "batch", "seq"
-_IMAGE_HINTS = ("pixel", "image", "video")
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,9 +99,9 @@ class OnnxSummary:
 
     def __str__(self) -> str:
         lines = [
-            f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
+            (f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
             f"{self.num_custom_nodes} {MLP_VALUE_DOMAIN}::{MLP_VALUE_OP}, "
-            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}"]
+            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}")]
         for kind, infos in (("input", self.inputs), ("output", self.outputs)):
             for info in infos:
                 axes = info.dynamic_axes
@@ -228,121 +239,41 @@ def _translate_mlp_value(v, w_up, w_gate, w_down):
 
 
 # --------------------------------------------------------------------------------------------
-# Dynamic shapes
-# --------------------------------------------------------------------------------------------
-
-def dynamic_axes_for(name: str, ndim: int) -> dict[int, str]:
-    """Which axes of an input named ``name`` with ``ndim`` dims are exported dynamic, and their names.
-
-    Tensors of 2 or 3 dims get a dynamic batch (0) and sequence (1); image-like inputs (a name with
-    "pixel", "image" or "video") and tensors of 4+ dims (images, 4-D masks) only a dynamic batch;
-    scalars and 1-D tensors none.
-
-    Example::
-
-        dynamic_axes_for("input_ids", 2)       # {0: 'batch', 1: 'seq'}
-        dynamic_axes_for("pixel_values", 4)    # {0: 'batch'}
-    """
-    if ndim < 2:
-        return {}
-    if ndim >= 4 or any(hint in name.lower() for hint in _IMAGE_HINTS):
-        return {0: _BATCH}
-    return {0: _BATCH, 1: _SEQ}
-
-
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """torch.export ``dynamic_shapes`` keyed by the forward's parameter names, Dim.AUTO per axis.
-
-    Dim.AUTO (not DYNAMIC): an axis the model pins (a size-1 example batch, a fixed-size buffer)
-    comes out fixed instead of failing the export; :func:`_name_dynamic_dims` warns about it.
-    """
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-
-    def spec(name: str, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {axis: torch.export.Dim.AUTO for axis in dynamic_axes_for(name, value.dim())} or None
-        if isinstance(value, dict):
-            return {k: spec(str(k), v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(spec(name, v) for v in value)
-        return None
-
-    return {name: spec(name, value) for name, value in bound.arguments.items()}
-
-
-def _name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> None:
-    """Rename the exporter's symbols (``s77``) of dynamic input axes to ``batch`` / ``seq``.
-
-    Applied to every value of the graph, expressions such as ``s27 + 1`` included. An input axis
-    meant to be dynamic that the model pins to one size (a symbol whose range in
-    ``range_constraints`` is a single value, or a fixed dim) is written as that size, with a warning.
-    """
-    import onnx_ir as ir
-
-    fixed = {str(sym): int(vr.lower) for sym, vr in range_constraints.items()
-             if vr.lower == vr.upper and getattr(vr.lower, "is_integer", False)}
-    graph = ir_model.graph
-    mapping: dict[str, str | int] = {}
-    for value in graph.inputs:
-        if value.shape is None:
-            continue
-        for axis, wanted in dynamic_axes_for(value.name, len(value.shape)).items():
-            dim = value.shape[axis]
-            symbol = dim.value if isinstance(dim, ir.SymbolicDim) else None
-            if symbol is None or symbol in fixed:
-                size = fixed.get(symbol, dim)
-                log.warning("input %r axis %d (%s) is exported as the fixed size %s: the model "
-                            "allows no other", value.name, axis, wanted, size)
-                if symbol is not None:
-                    mapping[symbol] = size
-                continue
-            if symbol not in mapping:
-                taken = wanted in mapping.values()
-                mapping[symbol] = f"{value.name}_{wanted}" if taken else wanted
-    if not mapping:
-        return
-    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
-
-    def rename(d: Any) -> Any:
-        if not isinstance(d, ir.SymbolicDim) or d.value is None:
-            return d
-        if isinstance(mapping.get(d.value), int):
-            return mapping[d.value]
-        return ir.SymbolicDim(pattern.sub(lambda m: str(mapping[m.group(1)]), d.value))
-
-    values = list(graph.inputs) + list(graph.outputs)
-    values += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
-    for value in values:
-        if value.shape is not None:
-            value.shape = ir.Shape([rename(d) for d in value.shape])
-
-
-# --------------------------------------------------------------------------------------------
 # export_onnx
 # --------------------------------------------------------------------------------------------
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (),
                 example_kwargs: dict[str, Any] | None = None, dynamic: bool = True,
-                fold: bool = True) -> pathlib.Path:
+                fold: bool = True, input_names: Sequence[str] | None = None,
+                output_names: Sequence[str] | None = None) -> pathlib.Path:
     """Export ``model`` to ONNX at ``path``: each MLP-value call is one ``kha::MLPValue`` node.
 
     With ``fold`` (default) a deep copy of a model with KHA gets its linear KHA folded into the
     weights first (``kc.fold(copy, strict=False)``); the caller's model is never modified (the copy
-    needs as much memory again). With ``dynamic``
-    (default) the batch and sequence axes of the inputs are dynamic (named ``batch`` and ``seq``;
-    only the batch for images), see :func:`dynamic_axes_for`. Example inputs are optional for a
-    transformers model. The file holds the ``kha::MLPValue`` function body, so onnxruntime runs it
-    directly. Weights stay inside the file unless they pass torch.onnx's large-model threshold
-    (1.5 GB; a protobuf file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it.
-    Returns the path written.
+    needs as much memory again). With ``dynamic`` (default) the batch and sequence axes of the
+    inputs are dynamic, named ``batch`` and ``sequence`` in inputs and outputs alike (only the
+    batch for images), see :func:`dynamic_axes_for`. Example inputs are optional for a
+    transformers model (exported with ``use_cache=False``, so no ``past_key_values`` output).
+
+    Inputs keep the forward's parameter names; outputs are named after the model's own output
+    fields (``logits``; ``last_hidden_state``, ``pooler_output``), a single tensor ``output`` and
+    a tuple's items ``output_0..n``. ``input_names`` / ``output_names`` override them, one name
+    per graph input / output (:class:`~kha_compile.errors.ExportNamesError` otherwise, naming what
+    the model has). ``metadata_props`` record the library version, the KHA config and the matched
+    sites (:data:`METADATA_KEYS`, read back with :func:`read_kha_metadata`).
+
+    The file holds the ``kha::MLPValue`` function body, so onnxruntime runs it directly. Weights
+    stay inside the file unless they pass torch.onnx's large-model threshold (1.5 GB; a protobuf
+    file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it. Returns the path.
 
     Raises :class:`~kha_compile.errors.ExportError` naming the step that failed (export,
-    translation, function, save, check) with the exporter's own reason.
+    translation, function, names, save, check) with the exporter's own reason.
 
     Example::
 
-        path = kc.export_onnx(model, "model.onnx", example_args=(x,))
+        path = kc.export_onnx(model, "model.onnx", example_args=(x,), output_names=["y"])
         onnxruntime.InferenceSession(str(path)).run(None, {"x": x.numpy()})
+        read_kha_metadata(path)["config"]                       # {'q': None, 'v': 'mlp', ...}
     """
     path = _check_destination(path)
     _import_onnx()
@@ -352,7 +283,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
 
     args, kwargs = example_inputs(model, example_args, example_kwargs)
     kwargs = _without_kv_cache(model, args, kwargs)
-    if fold and any("kha" in name for name, _ in model.named_parameters()):
+    name = type(model).__name__
+    metadata = kha_metadata(model, args, kwargs, folded=fold)
+    if fold and any("kha" in n for n, _ in model.named_parameters()):
         model = copy.deepcopy(model)        # nothing to fold without KHA: no copy then
         _fold_copy(model)
     was_training = model.training
@@ -367,27 +300,30 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
                      and node.op_type == MLP_VALUE_OP)
     if num_custom:
         _add_mlp_value_function(ir_model)
+    exported = getattr(program, "exported_program", None)
     if dynamic:
-        exported = getattr(program, "exported_program", None)
-        _name_dynamic_dims(ir_model, exported.range_constraints if exported is not None else {})
+        name_dynamic_dims(ir_model, exported.range_constraints if exported is not None else {})
+    out_spec = exported.call_spec.out_spec if exported is not None else None
+    rename_io(ir_model, out_spec, name, input_names, output_names)
+    ir_model.metadata_props.update(metadata)
 
     try:
         program.save(path)          # external data only for models near protobuf's 2 GB limit
     except Exception as e:
-        raise ExportError(f"ONNX export of {type(model).__name__}, step 'save': could not write "
+        raise ExportError(f"ONNX export of {name}, step 'save': could not write "
                           f"{str(path)!r}: {type(e).__name__}: {e}") from e
     try:
         import onnx
 
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:
-        raise ExportError(f"ONNX export of {type(model).__name__}, step 'check': onnx.checker "
+        raise ExportError(f"ONNX export of {name}, step 'check': onnx.checker "
                           f"rejects {str(path)!r}: {type(e).__name__}: {e}") from e
 
     summary = onnx_summary(path)
     log.info("%s", summary)
     if summary.num_custom_nodes != num_custom:  # the optimizer must keep every MLP-value node
-        raise ExportError(f"ONNX export of {type(model).__name__}, step 'check': {num_custom} "
+        raise ExportError(f"ONNX export of {name}, step 'check': {num_custom} "
                           f"MLPValue nodes were translated but {summary.num_custom_nodes} are in "
                           f"{str(path)!r}.")
     return path
@@ -444,14 +380,14 @@ def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) ->
     """torch.onnx.export (dynamo) with the MLP-value translation; ExportError names the step."""
     name = type(model).__name__
     try:
-        dynamic_shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
+        shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
     except TypeError as e:
         raise ExportError(f"ONNX export of {name}, step 'export': the example inputs do not fit "
                           f"{name}.forward: {e}") from e
     try:
         with _mlp_value_schema():
             return torch.onnx.export(
-                model, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes,
+                model, args, kwargs=kwargs, dynamo=True, dynamic_shapes=shapes,
                 custom_translation_table={torch.ops.kha.mlp_value.default: _translate_mlp_value},
                 optimize=True, verbose=False)
     except Exception as e:

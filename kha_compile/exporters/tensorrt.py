@@ -1,99 +1,58 @@
 """TensorRT export: an engine from the ONNX file, with the ``kha::MLPValue`` node as a plugin.
 
-The plugin is written against TensorRT's Python plugin API ``tensorrt.plugin`` (TensorRT >= 10.7,
-"quickly deployable plugins"): ``register`` gives the output shape and type, ``autotune`` the
-supported types, ``impl`` the computation (the Triton kernel of :mod:`kha_compile.kernels` where it
-takes the head size and type, else the op's torch reference), run just in time by TensorRT.
-TensorRT's ONNX parser maps a node to a plugin by its ``op_type`` (``MLPValue``) and its
-``plugin_namespace`` / ``plugin_version`` attributes (``kha`` / ``1``), which
-:func:`kha_compile.export_onnx` writes. A JIT plugin runs in Python: a process that loads such an
-engine calls :func:`register_mlp_value_plugin` first (:func:`run_engine` does).
+The plugin (:mod:`kha_compile.exporters.tensorrt_plugin`) is a ``tensorrt.plugin`` plugin with a
+JIT implementation (Python, run by TensorRT) and, where TensorRT has ``aot_impl``, an ahead-of-time
+one (:mod:`kha_compile.exporters.tensorrt_aot`: the Triton kernel as PTX inside the engine, so the
+engine runs in ``trtexec`` and the C++ runtime). TensorRT's ONNX parser maps a node to the plugin
+by its ``op_type`` (``MLPValue``) and its ``plugin_namespace`` / ``plugin_version`` attributes
+(``kha`` / ``1``), which :func:`kha_compile.export_onnx` writes; :func:`export_tensorrt` adds
+``aot=1`` to the nodes the AOT kernel takes. An engine whose plugins run JIT needs Python at run
+time: a process that loads it calls :func:`register_mlp_value_plugin` first (:func:`run_engine` does).
 
-Everything here that needs no GPU (the plugin's shape and type rules, the optimization profile, the
-precision plan) is a plain function; ``tensorrt`` is imported only by the functions that need it.
-
-Note: this module avoids ``from __future__ import annotations``: ``tensorrt.plugin.register`` reads
-the annotations of the descriptor function as real classes.
+Everything here that needs no GPU (the optimization profile, the precision plan) is a plain
+function; ``tensorrt`` is imported only by the functions that need it.
 """
 import dataclasses
 import logging
 import os
 import pathlib
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from ..errors import BackendUnavailableError, ExportError, KHAError, OpInputError
+from ..errors import ExportError, KHAError
 from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
+from .tensorrt_plugin import (
+    _PLUGIN_DTYPES,
+    _import_tensorrt,
+    aot_registered,
+    mlp_value_output_dtype,
+    mlp_value_output_shape,
+    register_mlp_value_plugin,
+)
 
 __all__ = [
-    "PRECISIONS", "DEFAULT_DIM_RANGES", "BuildPlan", "mlp_value_output_shape",
-    "mlp_value_output_dtype", "profile_shapes", "build_plan", "onnx_float_dtype",
-    "register_mlp_value_plugin", "export_tensorrt", "run_engine",
+    "DEFAULT_DIM_RANGES",
+    "PRECISIONS",
+    "BuildPlan",
+    "build_plan",
+    "export_tensorrt",
+    "mlp_value_output_dtype",
+    "mlp_value_output_shape",
+    "onnx_float_dtype",
+    "profile_shapes",
+    "register_mlp_value_plugin",
+    "run_engine",
 ]
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-# (min, opt, max) of the dynamic dims that export_onnx names; "x_batch" / "x_seq" match too.
-DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "seq": (1, 128, 1024)}
-_PLUGIN_DTYPES = ("float32", "float16", "bfloat16")
-_INSTALL_HINT = (
-    "Install TensorRT (>= 10.7, for tensorrt.plugin) on a Linux machine with an NVIDIA GPU and "
-    "CUDA 12: `pip install tensorrt` or `pip install tensorrt-cu12 --extra-index-url "
-    "https://pypi.nvidia.com` (the packages on the public index fetch the real wheel from NVIDIA's "
-    "index, which must be reachable), together with a CUDA build of PyTorch. The ONNX file from "
-    "kc.export_onnx runs anywhere with onnxruntime.")
-
-
-# --------------------------------------------------------------------------------------------
-# The plugin's shape and type rules (plain functions)
-# --------------------------------------------------------------------------------------------
-
-def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tuple[int | None, ...]:
-    """Output shape of ``kha::MLPValue`` from its four input shapes: that of ``v``.
-
-    ``v`` is (..., d) and each weight (d, d). A dim may be ``None`` (not known at build time);
-    known dims must agree. Raises :class:`~kha_compile.errors.OpInputError` otherwise.
-
-    Example::
-
-        mlp_value_output_shape([(2, 4, None, 64), (64, 64), (64, 64), (64, 64)])   # (2, 4, None, 64)
-    """
-    if len(input_shapes) != 4:
-        raise OpInputError(f"kha::MLPValue takes 4 inputs (v, w_up, w_gate, w_down); got "
-                           f"{len(input_shapes)}.")
-    v, *weights = (tuple(s) for s in input_shapes)
-    if len(v) < 1:
-        raise OpInputError("kha::MLPValue: v must have at least one dimension (..., d); got a scalar.")
-    d = v[-1]
-    for name, w in zip(("w_up", "w_gate", "w_down"), weights):
-        if len(w) != 2:
-            raise OpInputError(f"kha::MLPValue: {name} must be a (d, d) matrix; got shape {w}.")
-        known = [x for x in (d, *w) if x is not None]
-        if any(x != known[0] for x in known):
-            raise OpInputError(f"kha::MLPValue: {name} has shape {w} but v has shape {v}; each "
-                               f"weight must be ({d}, {d}) to match v's last dimension.")
-    return v
-
-
-def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
-    """Output type of ``kha::MLPValue`` from its four input types ("float32", "float16", "bfloat16").
-
-    All four must be the same floating type. Raises :class:`~kha_compile.errors.OpInputError`.
-
-    Example::
-
-        mlp_value_output_dtype(["float16"] * 4)    # 'float16'
-    """
-    if len(dtypes) != 4:
-        raise OpInputError(f"kha::MLPValue takes 4 inputs; got {len(dtypes)} types.")
-    if dtypes[0] not in _PLUGIN_DTYPES:
-        raise OpInputError(f"kha::MLPValue supports {', '.join(_PLUGIN_DTYPES)}; v is {dtypes[0]}.")
-    if any(t != dtypes[0] for t in dtypes):
-        raise OpInputError(f"kha::MLPValue: all inputs must share one type; got {list(dtypes)}.")
-    return dtypes[0]
+# (min, opt, max) of the dynamic dims that export_onnx names ("seq" for files written before 0.1.1).
+DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "sequence": (1, 128, 1024),
+                                                      "seq": (1, 128, 1024)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +76,7 @@ def profile_shapes(inputs: Sequence[TensorInfo],
 
     Example::
 
-        profile_shapes(onnx_summary("m.onnx").inputs, dim_ranges={"seq": (1, 256, 2048)})
+        profile_shapes(onnx_summary("m.onnx").inputs, dim_ranges={"sequence": (1, 256, 2048)})
         # {'x': ((1, 1, 64), (1, 256, 64), (8, 2048, 64))}
     """
     ranges = {**DEFAULT_DIM_RANGES, **(dim_ranges or {})}
@@ -238,109 +197,6 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Backend check, plugin registration
-# --------------------------------------------------------------------------------------------
-
-def _import_tensorrt() -> Any:
-    """``tensorrt`` (with ``tensorrt.plugin``), after checking for it and for an NVIDIA GPU."""
-    missing = []
-    trt = None
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin  # noqa: F401  (TensorRT >= 10.7)
-    except ImportError as e:
-        found = f" (found tensorrt {trt.__version__}, which has no tensorrt.plugin)" if trt else ""
-        missing.append(f"the `tensorrt` Python package, version >= 10.7{found} ({e})")
-        trt = None
-    if not torch.cuda.is_available():
-        missing.append(f"an NVIDIA GPU visible to PyTorch (torch {torch.__version__}, CUDA build: "
-                       f"{torch.version.cuda or 'none'}; torch.cuda.is_available() is False)")
-    if missing:
-        raise BackendUnavailableError(
-            "TensorRT export and inference need " + " and ".join(missing) + ", which this machine "
-            "lacks. " + _INSTALL_HINT)
-    return trt
-
-
-_PLUGIN_REGISTERED = False
-
-
-def register_mlp_value_plugin() -> None:
-    """Register the ``kha::MLPValue`` TensorRT plugin (``tensorrt.plugin``) in this process; idempotent.
-
-    Needed before parsing an ONNX file with MLP-value nodes and before loading an engine built
-    with them. Without it, TensorRT's parser falls back to the node's ONNX function body.
-
-    Example::
-
-        register_mlp_value_plugin()
-        engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
-    """
-    global _PLUGIN_REGISTERED
-    if _PLUGIN_REGISTERED:
-        return
-    trt = _import_tensorrt()
-    import tensorrt.plugin as trtp
-
-    dtype_names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16",
-                   trt.DataType.BF16: "bfloat16"}
-    kernel = _mlp_value_kernel()
-
-    def known_dims(desc: Any) -> tuple[int | None, ...]:
-        dims = []
-        for expr in desc.shape_expr:
-            dims.append(expr.constant_value() if not expr.is_fake and expr.is_constant else None)
-        return tuple(dims)
-
-    @trtp.register(PLUGIN_ID)
-    def mlp_value_desc(v: trtp.TensorDesc, w_up: trtp.TensorDesc, w_gate: trtp.TensorDesc,
-                       w_down: trtp.TensorDesc) -> trtp.TensorDesc:
-        descs = (v, w_up, w_gate, w_down)
-        mlp_value_output_shape([known_dims(t) for t in descs])
-        mlp_value_output_dtype([dtype_names.get(t.dtype, str(t.dtype)) for t in descs])
-        return v.like()                                     # (..., d), v's type
-
-    @trtp.autotune(PLUGIN_ID)
-    def mlp_value_autotune(v, w_up, w_gate, w_down, outputs):
-        types = "FP32|FP16|BF16"                            # all five I/O share one type
-        return [trtp.AutoTuneCombination(", ".join([types] * 5), "LINEAR")]
-
-    @trtp.impl(PLUGIN_ID)
-    def mlp_value_impl(v, w_up, w_gate, w_down, outputs, stream) -> None:
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            tv = torch.as_tensor(v, device="cuda")          # (..., d)
-            weights = [torch.as_tensor(w, device="cuda") for w in (w_up, w_gate, w_down)]
-            out = torch.as_tensor(outputs[0], device="cuda")
-            d = tv.shape[-1]
-            y = kernel(tv.reshape(-1, d), *weights)          # (M, d)
-            out.copy_(y.reshape(out.shape))
-
-    _PLUGIN_REGISTERED = True
-    log.info("registered TensorRT plugin %s (JIT, kernel %s)", PLUGIN_ID, kernel.__name__)
-
-
-def _mlp_value_kernel() -> Callable:
-    """``kernel(v, w_up, w_gate, w_down)`` for v (M, d): the Triton forward where it takes (d, dtype)."""
-    from ..ops.mlp_value import mlp_value_reference
-
-    try:
-        from ..kernels import mlp_value_triton_forward, triton_available, triton_supports
-    except ImportError:
-        triton_available = None
-    if triton_available is None or not triton_available():
-        log.info("the Triton MLP-value kernel is not available: the TensorRT plugin computes "
-                 "MLP-value with torch")
-        return mlp_value_reference
-
-    def mlp_value_kernel(v, w_up, w_gate, w_down):
-        if triton_supports(v.shape[-1], v.dtype):
-            return mlp_value_triton_forward(v, w_up, w_gate, w_down)
-        return mlp_value_reference(v, w_up, w_gate, w_down)
-
-    return mlp_value_kernel
-
-
 def _trt_logger(trt: Any) -> Any:
     """A ``trt.ILogger`` that forwards TensorRT's messages to this module's logger."""
     levels = {trt.ILogger.Severity.INTERNAL_ERROR: logging.ERROR,
@@ -394,6 +250,7 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
                     opt_shapes: Mapping[str, Sequence[int]] | None = None,
                     max_shapes: Mapping[str, Sequence[int]] | None = None,
                     dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
+                    aot: bool = True,
                     ) -> pathlib.Path:
     """Build a TensorRT engine from an ONNX file of :func:`kc.export_onnx`; MLP-value runs as a plugin.
 
@@ -401,7 +258,10 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
     profile covers the dynamic dims: per input from ``profile`` ({name: (min, opt, max)}) or
     ``min_shapes`` / ``opt_shapes`` / ``max_shapes``, else per dim name from ``dim_ranges`` over
     :data:`DEFAULT_DIM_RANGES` (see :func:`profile_shapes`). ``workspace_gb`` caps the builder's
-    scratch memory. Needs ``tensorrt`` (>= 10.7) and an NVIDIA GPU, else raises
+    scratch memory. ``aot`` (default): MLP-value nodes with d <= 128 use the plugin's ahead-of-time
+    implementation where TensorRT has one (>= 10.10, and Triton installed), so the engine needs no
+    Python to run; the others, and ``aot=False``, the JIT one.
+    Needs ``tensorrt`` (>= 10.7) and an NVIDIA GPU, else raises
     :class:`~kha_compile.errors.BackendUnavailableError`; a failed step (profile, parse, build,
     save) raises :class:`~kha_compile.errors.ExportError`. Returns ``engine_path``.
 
@@ -409,7 +269,7 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
 
         onnx_path = kc.export_onnx(model, "model.onnx", example_args=(x,))
         kc.export_tensorrt(onnx_path, "model.engine", precision="fp16",
-                           dim_ranges={"seq": (1, 512, 4096)})
+                           dim_ranges={"sequence": (1, 512, 4096)})
     """
     onnx_path = pathlib.Path(onnx_path).expanduser()
     if not onnx_path.is_file():
@@ -431,7 +291,18 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     t0 = time.perf_counter()
-    if not parser.parse_from_file(str(onnx_path)):
+    if aot and aot_registered():
+        import onnx
+
+        from .tensorrt_aot import mark_aot_nodes
+
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        log.info("%d of %d MLPValue nodes use the AOT plugin implementation", mark_aot_nodes(model),
+                 summary.num_custom_nodes)
+        parsed = parser.parse(model.SerializeToString(), str(onnx_path))   # path: for external data
+    else:
+        parsed = parser.parse_from_file(str(onnx_path))
+    if not parsed:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise ExportError(f"TensorRT export, step 'parse': TensorRT's ONNX parser rejects "
                           f"{str(onnx_path)!r}: {errors or 'no reason given'}")

@@ -135,3 +135,13 @@ def _bwd(
         tl.store(base + d * d + offs_k[:, None] * d + offs_n[None, :], acc_g, mask=m_kn)
         m_nk = (offs_n[:, None] < d) & (offs_k[None, :] < d)
         tl.store(base + 2 * d * d + offs_n[:, None] * d + offs_k[None, :], acc_d, mask=m_nk)
+
+
+@triton.jit
+def _fwd_plugin(
+    v_ptr, wu_ptr, wg_ptr, wd_ptr, M, y_ptr,
+    d: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # The forward in TensorRT's AOT-plugin calling convention: input pointers, then the scalar
+    # arguments, then output pointers. Rows are contiguous (stride d, TensorRT's LINEAR format).
+    _fwd(v_ptr, wu_ptr, wg_ptr, wd_ptr, y_ptr, M, d, d, 0, d, D, BLOCK_M, False, PRECISION)

@@ -47,7 +47,11 @@ Backward (a fused kernel for d <= 64; a FlashAttention-2 style split into two la
 
     Row groups P: 2 per SM (persistent); in the split, the column blocks of a row group share them.
     BLOCK_M (and the split's BLOCK_N in {32, 64}) are autotuned on the GPU, from config lists that
-    compile for sm_90 within shared memory and, mostly, without register spills (``_CONFIGS``).
+    compile for the GPU's architecture within shared memory and without register spills
+    (``_CONFIGS`` less ``_LEFT_OUT``, checked with :mod:`kha_compile.kernels.aot` for sm_80 and sm_90).
+    Below sm_90 the split's grad-v launch at d > 64 (16-bit) cannot fit (five 128 x 128 weight tiles
+    on chip); there the op's backward runs the composite formula (cuBLAS), and fp32 runs the kernels
+    up to d = 64 only (``triton_supports``).
 
 Precision: operands of every ``tl.dot`` are in the input dtype (tensor cores), accumulation in fp32,
 the element-wise gate math in fp32; h, grad_a and grad_g are rounded (to nearest even) to the input
@@ -80,12 +84,16 @@ from ..errors import BackendUnavailableError, OpInputError
 
 __all__ = [
     "mlp_value_triton", "mlp_value_triton_forward", "mlp_value_triton_backward",
-    "triton_available", "triton_supports", "is_triton_build_error", "MAX_D",
+    "triton_available", "triton_supports", "is_triton_build_error", "MAX_D", "MAX_D_FP32",
+    "configs_for", "launch_supported",
 ]
 
 logger = logging.getLogger(__name__)
 
 MAX_D = 128  # largest head size the kernels take (the accumulators must fit in registers)
+# Largest head size the op sends to the kernels in fp32: above it, three fp32 weight tiles (192 KiB at
+# D = 128) do not fit sm_80's shared memory and spill on sm_90, and cuBLAS runs the composite instead.
+MAX_D_FP32 = 64
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_DOT = 16  # tl.dot on NVIDIA needs K >= 16 for 16-bit operands; keep every block dim >= 16
 
@@ -133,8 +141,12 @@ def triton_available() -> bool:
 
 
 def triton_supports(d: int, dtype: torch.dtype) -> bool:
-    """True if the kernels take head size ``d`` and ``dtype`` (d <= 128; fp32, bf16 or fp16)."""
-    return 1 <= d <= MAX_D and dtype in _DTYPES
+    """True if ``kha::mlp_value`` runs the kernels for head size ``d`` and ``dtype``.
+
+    bf16/fp16: d <= 128; fp32: d <= 64 (``MAX_D_FP32``). The kernel functions themselves take fp32 up
+    to 128 too (the interpreter tests use that).
+    """
+    return dtype in _DTYPES and 1 <= d <= (MAX_D_FP32 if dtype == torch.float32 else MAX_D)
 
 
 def is_triton_build_error(e: BaseException) -> bool:
@@ -169,27 +181,80 @@ def _require_backend(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------------
 # Kernels (built lazily, once per interpreter/compiled mode) and their autotuning configs
 # --------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N or None, num_warps, num_stages) per launch and operand class. Picked from offline
-# compiles for sm_90 (triton 3.9): configs that fit shared memory (<= 227 KiB) without register spills.
-# fp32 uses FMA dots under "ieee" precision, whose register tiles only fit at small BLOCK_M.
+# (BLOCK_M, BLOCK_N or None, num_warps, num_stages) per launch and operand class. Checked with
+# kha_compile.kernels.aot (``python benchmarks/kernels_aot.py``, triton 3.9) for sm_80 and sm_90:
+# each config used on an architecture compiles there without register spills and within its
+# shared memory (163 KiB per block on sm_80, 227 KiB on sm_90). fp32 uses FMA dots under "ieee"
+# precision, whose register tiles only fit at small BLOCK_M.
 _CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
-    ("fwd", "16bit"): [(64, None, 4, 3), (128, None, 4, 3), (128, None, 8, 3), (256, None, 8, 2),
-                       (64, None, 4, 4), (128, None, 8, 4)],
-    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 4, 3), (64, None, 4, 4), (64, None, 8, 3),
-                            (128, None, 8, 1), (128, None, 8, 2), (128, None, 8, 3)],
+    ("fwd", "16bit"): [(64, None, 4, 3), (128, None, 8, 3), (256, None, 8, 2), (64, None, 4, 4), (128, None, 8, 4)],
+    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 8, 3), (128, None, 8, 1), (128, None, 8, 2),
+                            (64, None, 8, 2)],
     ("fwd", "fp32"): [(16, None, 8, 1), (16, None, 8, 2), (32, None, 8, 1)],
     ("fused", "16bit"): [(32, None, 4, 3), (32, None, 8, 2), (64, None, 8, 2), (64, None, 8, 3),
-                         (128, None, 8, 2), (128, None, 8, 3)],
+                         (128, None, 8, 2), (128, None, 8, 3), (16, None, 4, 2)],
     ("fused", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
-    ("dv", "16bit"): [(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (64, None, 4, 1), (64, None, 4, 2)],
+    ("dv", "16bit"): [(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)],
     ("dv", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
     ("dw", "16bit"): [(32, 32, 4, 2), (32, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2),
                       (64, 32, 8, 3)],
     ("dw", "fp32"): [(16, 32, 8, 1), (16, 32, 8, 2), (32, 32, 8, 1), (32, 32, 8, 2)],
 }
+# Which of them each architecture class uses, by padded head size D: (kind, class, D) -> configs
+# left out there. sm_80 (and other GPUs below sm_90: less shared memory, and its mma.sync code holds
+# more in registers than sm_90's wgmma) spills or overflows in these; sm_90 in the ones marked so.
+_LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, int]]]] = {
+    "sm_80": {
+        ("fwd", "16bit-d128", 128): {(64, None, 4, 2), (128, None, 8, 1), (128, None, 8, 2)},
+        ("fused", "16bit", 64): {(32, None, 4, 3), (64, None, 8, 2), (64, None, 8, 3), (128, None, 8, 2),
+                                 (128, None, 8, 3)},
+        # grad_v keeps W_up, W_gate, W_down^T and both transposes on chip: 5 x 32 KiB plus the tiles
+        # is more than 163 KiB whatever the blocks, so below sm_90 the op's backward at d > 64 runs
+        # the composite (cuBLAS) instead (see launch_supported).
+        ("dv", "16bit", 128): {(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)},
+    },
+    "sm_90": {
+        ("fused", "16bit", 32): {(128, None, 8, 2), (128, None, 8, 3)},
+        ("dv", "16bit", 128): {(32, None, 8, 1)},
+    },
+}
+
+
+def _arch_class(cc: int | None) -> str | None:
+    """"sm_80" below compute capability 9.0, "sm_90" from it, None when unknown (interpreter)."""
+    if cc is None:
+        return None
+    return "sm_90" if cc >= 90 else "sm_80"
+
+
+def configs_for(kind: str, cls: str, D: int, cc: int | None) -> list[tuple[int, int | None, int, int]]:
+    """The autotune configs of launch ``kind`` for operand class ``cls`` and padded head size D on ``cc``.
+
+    ``cc`` is the compute capability (e.g. 90); None gives all of them, as in the interpreter.
+
+    Example::
+
+        configs_for("fused", "16bit", 64, 80)     # [(32, None, 8, 2), (16, None, 4, 2)]
+    """
+    left_out = _LEFT_OUT.get(_arch_class(cc) or "", {}).get((kind, cls, D), set())
+    return [c for c in _CONFIGS[(kind, cls)] if c not in left_out]
+
+
 # Without autotuning (the interpreter, or explicit block sizes): BLOCK_M, and BLOCK_N of the split.
 _DEFAULT_BLOCK_M = 32
 _DEFAULT_SPLIT_BLOCK_N = 64
+
+
+def launch_supported(direction: str, d: int, dtype: torch.dtype, cc: int | None) -> bool:
+    """True if every launch of the ``direction`` ("forward"/"backward") has a config on compute capability cc.
+
+    Example::
+
+        launch_supported("backward", 128, torch.bfloat16, 80)    # False: cuBLAS runs it on sm_80
+    """
+    D = _padded_d(d)
+    kinds = ["fwd"] if direction == "forward" else (["fused"] if D <= 64 else ["dv", "dw"])
+    return all(configs_for(k, _config_class(k, D, dtype), D, cc) for k in kinds)
 
 
 def _config_class(kind: str, D: int, dtype: torch.dtype) -> str:
@@ -203,21 +268,24 @@ class _KernelSet:
 
     def __init__(self, jit: Any, autotune: bool, do_bench: Any = None) -> None:
         self.fwd, self.bwd = jit._fwd, jit._bwd
+        self.fwd_plugin = jit._fwd_plugin  # the forward in TensorRT's AOT-plugin argument order
         self.autotune = autotune
         self._do_bench = do_bench
-        self._tuners: dict[tuple[str, str], Any] = {}
+        self._tuners: dict[tuple[str, str, tuple], Any] = {}
 
-    def tuner(self, kind: str, cls: str) -> Any:
-        """The autotuned kernel for launch ``kind`` ("fwd", "fused", "dv", "dw"), or None when not tuning."""
+    def tuner(self, kind: str, cls: str, configs: list[tuple[int, int | None, int, int]] | None = None) -> Any:
+        """The autotuned kernel for launch ``kind`` ("fwd", "fused", "dv", "dw") over ``configs`` (default:
+        all of the class), or None when not tuning."""
         if not self.autotune:
             return None
-        key = (kind, cls)
+        configs = list(_CONFIGS[(kind, cls)] if configs is None else configs)
+        key = (kind, cls, tuple(configs))
         if key not in self._tuners:
             import triton
 
             configs = [
                 triton.Config({"BLOCK_M": bm, **({"BLOCK_N": bn} if bn else {})}, num_warps=w, num_stages=st)
-                for bm, bn, w, st in _CONFIGS[key]
+                for bm, bn, w, st in configs
             ]
             keys = ["d", "M_BUCKET", "PRECISION"]
             if kind != "fwd":
@@ -238,6 +306,7 @@ def _build_kernels(interpret: bool, autotune: bool | None = None, do_bench: Any 
     name = f"{__package__}._mlp_value_jit_{'interpret' if interpret else 'compiled'}"
     path = os.path.join(os.path.dirname(__file__), "_mlp_value_jit.py")
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a file next to this one
     jit = importlib.util.module_from_spec(spec)
     sys.modules[name] = jit  # triton and inspect look kernels' modules up by name
     spec.loader.exec_module(jit)
@@ -329,7 +398,7 @@ def _launch(
 
     ``grid(meta)`` maps the launch's meta-parameters (BLOCK_M, BLOCK_N) to the grid.
     """
-    tuner = ks.tuner(kind, cls)
+    tuner = ks.tuner(kind, cls, configs_for(kind, cls, meta["D"], _capability())) if ks.autotune else None
     if tuner is not None and block_m is None and (kind != "dw" or block_n is None):
         # "fwd" has no BLOCK_N; "dw" tunes it; "fused"/"dv" take the whole hidden axis.
         tuner[grid](*args, **meta, **({"BLOCK_N": block_n} if kind in ("fused", "dv") else {}))
@@ -432,6 +501,14 @@ def mlp_value_triton_backward(
                     args, dict(meta, COMPUTE_DV=False, COMPUTE_DW=True), block_m, block_n)
     dw = ws.sum(0).to(v.dtype)  # (3, d, d): the reduction over row groups
     return grad_v, dw[0], dw[1], dw[2]
+
+
+def _capability() -> int | None:
+    """Compute capability of the current CUDA device (e.g. 90), None without one."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
 
 
 def _on_device(device: torch.device):

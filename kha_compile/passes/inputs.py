@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import MissingExampleInputsError
 
-__all__ = ["example_inputs"]
+__all__ = ["example_inputs", "sentence_transformer_model"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def example_inputs(
     device, dtype = _device_and_dtype(model)
     gen = torch.Generator().manual_seed(_SEED)
 
-    st_auto_model = _sentence_transformer_auto_model(model)
+    st_auto_model = sentence_transformer_model(model)
     if st_auto_model is not None:
         features = _text_inputs(st_auto_model, batch_size, seq_len, device, gen)
         if _accepts(st_auto_model, "token_type_ids"):
@@ -117,7 +117,7 @@ def _is_hf_pretrained(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _sentence_transformer_auto_model(model: nn.Module) -> nn.Module | None:
+def sentence_transformer_model(model: nn.Module) -> nn.Module | None:
     """The transformers model inside a SentenceTransformer, or None if ``model`` is not one."""
     if "sentence_transformers" not in sys.modules:
         return None

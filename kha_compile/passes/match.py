@@ -2,9 +2,8 @@
 
 Rules, each with a reason when it declines:
 
-* ``sdpa`` anchors on ``aten.scaled_dot_product_attention`` (and its fused variants);
-* ``manual_softmax`` anchors on ``softmax(q @ k^T ...) @ v`` (matmul, bmm or baddbmm scores;
-  masks, ALiBi biases, scaling and logit soft-capping between the scores and the softmax);
+* attention rules (:mod:`.rules`: ``sdpa``, ``manual_softmax``, ...) anchor on attention ops and
+  name the nodes that carry q, k and v (:class:`.rules.Anchor`);
 * for each of q, k, v the walk goes back to the projection that produced it (a linear, addmm or
   matmul against a parameter), through layout ops and through whatever the insertion point must
   precede (rotary embeddings, QK-norm, scaling, repeat_kv); :mod:`.layout` reads the head map.
@@ -22,21 +21,15 @@ import torch
 from torch.fx import Node
 
 from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map, shape_of
+from .rules import Anchor, attention_rules
+from .rules.manual_softmax import SOFTMAX_OPS
+from .rules.sdpa import SDPA_OPS
 
-__all__ = ["Projection", "RoleMatch", "RawSite", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
+__all__ = ["Projection", "RoleMatch", "RawSite", "MatchGraph", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-SDPA_OPS = {
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-}
-SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-_SCORE_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
 _PROJ_OPS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default}
 _NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
              aten.native_layer_norm.default, aten.var_mean.correction}
@@ -72,7 +65,7 @@ class RoleMatch:
 @dataclasses.dataclass
 class RawSite:
     name: str  # traced module path of the attention
-    anchor: str  # "sdpa" | "manual_softmax"
+    anchor: str  # the rule's name: "sdpa" | "manual_softmax" | ...
     node: Node
     roles: dict[str, RoleMatch]
     reason: str = ""  # why it was skipped, when roles is incomplete
@@ -95,7 +88,7 @@ def _tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor) or n.op == "call_function"]
 
 
-class _Graph:
+class MatchGraph:
     """Lookups over one exported program that every rule shares."""
 
     def __init__(self, exported) -> None:
@@ -306,7 +299,7 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
     return False
 
 
-def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
+def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
     """Push the projection's feature index to ``target`` and read the head map at the head split."""
     path = g.path_nodes(proj.node, target)
     if not path:
@@ -376,7 +369,7 @@ def _strip_identity(node: Node) -> Node:
     return node
 
 
-def _latent_input(g: _Graph, proj: Projection, scope: str, depth: int = 16) -> bool:
+def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
     """True when the projection reads a low-rank latent: another projection of the same attention
     module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
     frontier = [proj.input_node]
@@ -399,81 +392,30 @@ def _latent_input(g: _Graph, proj: Projection, scope: str, depth: int = 16) -> b
     return False
 
 
-def _anchors(g: _Graph) -> list[tuple[Node, str, dict[str, Node], dict[str, int], str]]:
-    """(node, rule, role->node, role->expected head dim, reason) for each attention op."""
+def _anchors(g: MatchGraph) -> list[Anchor]:
+    """The anchor of each attention op: the first registered rule that recognises it."""
+    rules = attention_rules()
     out = []
     for node in g.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in SDPA_OPS:
-            q, k, v = node.args[:3]
-            dims = {r: (shape_of(n) or (0,))[-1] for r, n in zip("qkv", (q, k, v))}
-            out.append((node, "sdpa", {"q": q, "k": k, "v": v}, dims, ""))
-        elif node.target in SOFTMAX_OPS and (found := _manual(g, node)) is not None:
-            out.append(found)
-        else:  # forms' rules (einsum_softmax, flex_attention, external); the registry replaces this loop
-            from .rules import attention_rules
-            for rule in attention_rules():
-                a = rule.match(g, node)
-                if a is not None:
-                    out.append((a.node, a.rule, a.roles, a.head_dims, a.reason))
-                    break
+        for rule in rules:
+            anchor = rule.match(g, node)
+            if anchor is not None:
+                out.append(anchor)
+                break
     return out
 
 
-def _manual(g: _Graph, softmax: Node):
-    """softmax(q @ k^T ...) @ v: find the score op behind and the value op after a softmax."""
-    score = None
-    frontier = [softmax.args[0]]
-    for _ in range(10):  # masks, biases, scaling, soft-capping, casts
-        nxt = []
-        for n in frontier:
-            if not isinstance(n, Node) or n.op != "call_function":
-                continue
-            if n.target in _SCORE_OPS and not any(isinstance(a, Node) and a.name in g.params for a in n.args):
-                score = n
-                break
-            if n.target in SOFTMAX_OPS or n.target in SDPA_OPS:
-                continue
-            nxt.extend(i for i in n.all_input_nodes if i.op == "call_function")
-        if score is not None or not nxt:
-            break
-        frontier = nxt
-    if score is None:
-        return None
-    if score.target is aten.baddbmm.default:
-        q, kt = score.args[1], score.args[2]
-    else:
-        q, kt = score.args[0], score.args[1]
-    value_op = None
-    frontier = [softmax]
-    for _ in range(6):  # dropout, casts, head masks
-        nxt = []
-        for n in frontier:
-            for user in n.users:
-                if user.target in _SCORE_OPS and user.args and user.args[0] is n:
-                    value_op = user
-                    break
-                if user.op == "call_function" and user.target not in SOFTMAX_OPS:
-                    nxt.append(user)
-            if value_op is not None:
-                break
-        if value_op is not None or not nxt:
-            break
-        frontier = nxt
-    if value_op is None:
-        return (softmax, "manual_softmax", {}, {}, f"softmax {softmax.name} has scores but no value matmul after it")
-    v = value_op.args[1]
-    kt_shape = shape_of(kt) or (0, 0)
-    dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
-    return (value_op, "manual_softmax", {"q": q, "k": kt, "v": v}, dims, "")
+_Graph = MatchGraph  # the old private name
 
 
 def find_sites(exported) -> list[RawSite]:
     """Every attention site in the graph, matched or with the reason it was skipped."""
-    g = _Graph(exported)
+    g = MatchGraph(exported)
     sites = []
-    for node, rule, roles, dims, reason in _anchors(g):
+    for anchor in _anchors(g):
+        node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason
         name = _module_path(node) or node.name
         key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
         if "@" in key:  # a module called more than once (shared layers): one site per call

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kha_compile as kc
+from kha_compile.exporters.onnx import onnx_summary, read_kha_metadata
 
 import zoo
 from helpers import perturb, run
@@ -49,6 +50,31 @@ def test_folded_linear_kha_exports_the_same_graph_as_the_original(name, dynamic,
     assert n_kha == n_plain
     (out, *_) = ort_run(path, tensor_feeds(case))
     assert rel_err(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_unfolded_linear_kha_keeps_its_matmuls_and_runs_in_onnxruntime(name, tmp_path):
+    """fold=False on a model WITH (perturbed) linear KHA: the transforms stay in the graph as
+    their own nodes (more nodes than the folded export, more MatMuls) and onnxruntime still
+    matches torch; the metadata says the file is not folded."""
+    case = zoo.make(name)
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="linear"))
+    perturb(case.model)
+    with torch.no_grad():
+        expected = run(case)
+    folded = kc.export_onnx(case.model, tmp_path / "folded.onnx", *case.example)
+    unfolded = kc.export_onnx(case.model, tmp_path / "unfolded.onnx", *case.example, fold=False)
+    s_folded, s_unfolded = onnx_summary(folded), onnx_summary(unfolded)
+    assert s_unfolded.num_nodes > s_folded.num_nodes
+    matmuls = [sum(n for op, n in s.op_counts.items() if op in ("MatMul", "Gemm", "Einsum"))
+               for s in (s_folded, s_unfolded)]
+    assert matmuls[1] > matmuls[0]
+    assert s_unfolded.num_custom_nodes == 0
+    assert read_kha_metadata(unfolded)["folded"] is False
+    assert read_kha_metadata(folded)["folded"] is True
+    for path in (folded, unfolded):
+        (out, *_) = ort_run(path, tensor_feeds(case))
+        assert rel_err(out, expected) < 1e-4
 
 
 def kha_left(model) -> bool:

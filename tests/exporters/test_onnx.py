@@ -6,6 +6,7 @@ import types
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 import pytest
 import torch
@@ -108,17 +109,41 @@ def test_custom_node_domain_attributes_and_inputs(exported):
 
 
 def test_model_local_function_holds_the_decomposition(exported):
+    """The function the file carries, inlined by onnx's own inliner into a one-node model and run by
+    onnxruntime on random inputs, computes torch.ops.kha.mlp_value."""
     model = onnx.load(str(exported[1]))
     assert [(f.domain, f.name) for f in model.functions] == [(MLP_VALUE_DOMAIN, MLP_VALUE_OP)]
     fn = model.functions[0]
     assert list(fn.input) == ["v", "w_up", "w_gate", "w_down"] and list(fn.output) == ["y"]
-    assert [n.op_type for n in fn.node] == [
-        "MatMul", "MatMul", "Sigmoid", "Mul", "Constant", "CastLike", "Mul", "MatMul"]
     model_opset = next(o.version for o in model.opset_import if o.domain == "")
     assert [(o.domain, o.version) for o in fn.opset_import] == [("", model_opset)]
     # checked against the function alone: the schema used during export is gone again
     assert not onnx.defs.has(MLP_VALUE_OP, MLP_VALUE_DOMAIN)
     onnx.checker.check_model(model, full_check=True)
+
+    h = onnx.helper
+    f32 = onnx.TensorProto.FLOAT
+    node = h.make_node(MLP_VALUE_OP, list(fn.input), ["y"], domain=MLP_VALUE_DOMAIN,
+                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    shapes = {"v": [2, N_HEAD, 7, DH], "w_up": [DH, DH], "w_gate": [DH, DH], "w_down": [DH, DH]}
+    graph = h.make_graph([node], "alone", [h.make_tensor_value_info(n, f32, s)
+                                           for n, s in shapes.items()],
+                         [h.make_tensor_value_info("y", f32, shapes["v"])])
+    alone = h.make_model(graph, opset_imports=list(model.opset_import), functions=[fn])
+    inlined = onnx.inliner.inline_local_functions(alone)
+    assert all(n.domain != MLP_VALUE_DOMAIN for n in inlined.graph.node) and not inlined.functions
+    onnx.checker.check_model(inlined, full_check=True)
+    gen = torch.Generator().manual_seed(7)
+    feed = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    (y,) = ort.InferenceSession(inlined.SerializeToString()).run(
+        None, {n: t.numpy() for n, t in feed.items()})
+    want = torch.ops.kha.mlp_value(*(t.double() for t in feed.values()))
+    assert _rel_err(y.astype(np.float64), want) < 1e-5
+    # and the function really uses every weight: zeroing one changes the result
+    for name in ("w_up", "w_gate", "w_down"):
+        changed = {n: (t * 0 if n == name else t).numpy() for n, t in feed.items()}
+        (y0,) = ort.InferenceSession(inlined.SerializeToString()).run(None, changed)
+        assert not np.allclose(y0, y)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -158,9 +183,9 @@ def test_onnxruntime_matches_torch(exported, shape):
 
 def test_batch_and_sequence_are_dynamic_and_named(exported):
     summary = onnx_summary(exported[1])
-    assert [str(i) for i in summary.inputs] == [f"x: float32[batch, seq, {D}]"]
-    assert summary.inputs[0].dynamic_axes == {0: "batch", 1: "seq"}
-    assert summary.outputs[0].dims == ("batch", "seq", D)
+    assert [str(i) for i in summary.inputs] == [f"x: float32[batch, sequence, {D}]"]
+    assert summary.inputs[0].dynamic_axes == {0: "batch", 1: "sequence"}
+    assert [str(o) for o in summary.outputs] == [f"output: float32[batch, sequence, {D}]"]
 
 
 class FixedLength(nn.Module):
@@ -214,7 +239,7 @@ def test_a_pinned_axis_comes_out_fixed_and_a_model_without_kha_is_not_folded(
     assert folds == []                                             # no KHA: no copy, no fold
     assert onnx_summary(path).inputs[0].dims == ("batch", 4, D)    # a batch of 1 stays dynamic
     (record,) = [r for r in caplog.records if "fixed size" in r.getMessage()]
-    assert "'x' axis 1 (seq)" in record.getMessage()
+    assert "'x' axis 1 (sequence)" in record.getMessage()
 
 
 def test_plain_model_has_no_custom_nodes_or_functions(tmp_path):
@@ -259,8 +284,8 @@ def test_image_input_has_only_a_dynamic_batch(tmp_path):
 
 
 @pytest.mark.parametrize("name, ndim, axes", [
-    ("x", 3, {0: "batch", 1: "seq"}),
-    ("input_ids", 2, {0: "batch", 1: "seq"}),
+    ("x", 3, {0: "batch", 1: "sequence"}),
+    ("input_ids", 2, {0: "batch", 1: "sequence"}),
     ("pixel_values", 4, {0: "batch"}),
     ("image_embeds", 3, {0: "batch"}),
     ("attention_mask", 4, {0: "batch"}),
@@ -294,8 +319,8 @@ def test_transformers_model_with_kha_and_no_example_inputs(tmp_path):
     summary = onnx_summary(path)
     assert summary.num_custom_nodes == cfg.num_hidden_layers
     dims = {i.name: i.dims for i in summary.inputs}
-    assert dims["input_ids"] == ("batch", "seq")
-    assert dims["attention_mask"][1] == "seq"
+    assert dims == {"input_ids": ("batch", "sequence"), "attention_mask": ("batch", "sequence")}
+    assert [str(o) for o in summary.outputs] == ["logits: float32[batch, sequence, 64]"]
     ids = torch.randint(0, 64, (3, 5))
     mask = torch.ones(3, 5, dtype=torch.long)
     (y,) = ort.InferenceSession(str(path)).run(

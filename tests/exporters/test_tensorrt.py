@@ -11,6 +11,7 @@ import torch
 
 from kha_compile.errors import BackendUnavailableError, ExportError, OpInputError
 from kha_compile.exporters import tensorrt as trt_export
+from kha_compile.exporters import tensorrt_plugin as trt_plugin
 from kha_compile.exporters.onnx import PLUGIN_ID, TensorInfo
 from kha_compile.exporters.tensorrt import (
     BuildPlan, build_plan, export_tensorrt, mlp_value_output_dtype, mlp_value_output_shape,
@@ -69,19 +70,60 @@ INPUTS = [TensorInfo("input_ids", "int64", ("batch", "seq")),
           TensorInfo("scale", "float32", (4,))]
 
 
-def test_profile_from_dim_names_and_defaults():
-    shapes = profile_shapes(INPUTS, dim_ranges={"seq": (2, 64, 256)})
-    assert shapes == {
-        "input_ids": ((1, 2), (1, 64), (8, 256)),
-        "attention_mask": ((1, 2), (1, 64), (8, 256)),             # "*_batch" counts as batch
-        "scale": ((4,), (4,), (4,)),
-    }
+def _check_profile_invariants(inputs, shapes):
+    """What a TensorRT profile must satisfy, whatever the ranges: one entry per input, rank kept,
+    fixed dims pinned, min <= opt <= max, and one range per dim name across inputs."""
+    assert set(shapes) == {i.name for i in inputs}
+    by_name: dict = {}
+    for info in inputs:
+        lo, opt, hi = shapes[info.name]
+        assert len(lo) == len(opt) == len(hi) == len(info.dims)
+        for axis, dim in enumerate(info.dims):
+            assert 1 <= lo[axis] <= opt[axis] <= hi[axis]
+            if isinstance(dim, int):
+                assert lo[axis] == opt[axis] == hi[axis] == dim
+            else:
+                key = dim.split("_")[-1]                      # "attention_mask_batch" is a batch dim
+                by_name.setdefault(key, set()).add((lo[axis], opt[axis], hi[axis]))
+    assert all(len(r) == 1 for r in by_name.values()), by_name   # inputs agree on a shared dim
+    return {k: r.pop() for k, r in by_name.items()}
+
+
+def test_profile_takes_the_given_range_for_each_named_dim():
+    given = {"batch": (2, 3, 5), "seq": (7, 11, 13)}
+    ranges = _check_profile_invariants(INPUTS, profile_shapes(INPUTS, dim_ranges=given))
+    assert ranges == given
+    # a dim without a given range takes a default range, the same for every input that has it
+    ranges = _check_profile_invariants(INPUTS, profile_shapes(INPUTS, dim_ranges={"seq": (7, 11, 13)}))
+    assert ranges["seq"] == (7, 11, 13) and ranges["batch"] != ranges["seq"]
 
 
 def test_profile_entry_wins_over_dim_ranges():
-    shapes = profile_shapes(INPUTS, profile={"input_ids": ((1, 1), (4, 32), (16, 512))})
-    assert shapes["input_ids"] == ((1, 1), (4, 32), (16, 512))
-    assert shapes["attention_mask"] == ((1, 1), (1, 128), (8, 1024))   # DEFAULT_DIM_RANGES
+    entry = ((1, 1), (4, 32), (16, 512))
+    free = profile_shapes(INPUTS, dim_ranges={"seq": (7, 11, 13)})
+    shapes = profile_shapes(INPUTS, profile={"input_ids": entry}, dim_ranges={"seq": (7, 11, 13)})
+    assert shapes["input_ids"] == entry
+    assert {k: v for k, v in shapes.items() if k != "input_ids"} == {
+        k: v for k, v in free.items() if k != "input_ids"}          # the other inputs are untouched
+
+
+def test_profile_shapes_run_the_exported_model(attention_onnx):
+    """Behaviour: the model runs in onnxruntime at the min, opt and max shapes of its profile."""
+    import numpy as np
+    import onnxruntime as ort
+
+    model, path, d = attention_onnx
+    inputs = trt_export.onnx_summary(path).inputs
+    shapes = profile_shapes(inputs, dim_ranges={"batch": (1, 2, 3), "seq": (1, 6, 9)})
+    _check_profile_invariants(inputs, shapes)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for k in range(3):                                              # min, opt, max
+        feed = {name: np.random.default_rng(k).standard_normal(s[k]).astype(np.float32)
+                for name, s in shapes.items()}
+        (got,) = session.run(None, feed)
+        with torch.no_grad():
+            want = model(torch.from_numpy(feed["x"]))
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("inputs, kwargs, match", [
@@ -179,7 +221,7 @@ def test_no_gpu_is_backend_unavailable_naming_the_gpu(monkeypatch, onnx_file, tm
 ])
 def test_run_and_register_need_tensorrt(monkeypatch, call):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    monkeypatch.setattr(trt_export, "_PLUGIN_REGISTERED", False)
+    monkeypatch.setattr(trt_plugin, "_PLUGIN_REGISTERED", False)
     with pytest.raises(BackendUnavailableError, match="pip install tensorrt"):
         call()
 
@@ -254,7 +296,7 @@ def fake_plugin_api(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(trt_export, "_PLUGIN_REGISTERED", False)
+    monkeypatch.setattr(trt_plugin, "_PLUGIN_REGISTERED", False)
     return registered
 
 
@@ -328,7 +370,7 @@ def attention_onnx(tmp_path_factory):
 def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
     model, onnx_path, d = attention_onnx
     engine = export_tensorrt(onnx_path, tmp_path / "fp32.engine", precision="fp32",
-                             dim_ranges={"batch": (1, 2, 4), "seq": (1, 8, 32)})
+                             dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
     x = torch.randn(*shape, d)
     (y,) = run_engine(engine, {"x": x}).values()
     with torch.no_grad():
@@ -341,6 +383,6 @@ def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
 def test_engine_uses_the_plugin(attention_onnx, tmp_path, caplog):
     caplog.set_level("INFO", logger="kha_compile.exporters.tensorrt")
     export_tensorrt(attention_onnx[1], tmp_path / "fp16.engine", precision="fp16",
-                    dim_ranges={"batch": (1, 2, 4), "seq": (1, 8, 32)})
+                    dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
     assert any("2 of 2 MLPValue nodes as kha::MLPValue plugins" in r.getMessage()
                for r in caplog.records)

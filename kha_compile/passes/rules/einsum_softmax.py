@@ -14,10 +14,11 @@ import torch
 from torch.fx import Node
 
 from ..layout import shape_of
+from . import register_rule
 from .base import Anchor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..match import _Graph as MatchGraph
+    from ..match import MatchGraph
 
 __all__ = ["EinsumSoftmaxRule"]
 
@@ -116,3 +117,6 @@ class EinsumSoftmaxRule:
                 return None
             frontier = nxt
         return None
+
+
+register_rule(EinsumSoftmaxRule())

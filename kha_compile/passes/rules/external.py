@@ -21,10 +21,12 @@ from torch.fx import Node
 
 from ...errors import RegistrationError
 from ..layout import LAYOUT_OPS, _NotLayout, push_layout, shape_of
+from . import register_rule
 from .base import Anchor
+from .flex_attention import FLEX_OPS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..match import _Graph as MatchGraph
+    from ..match import MatchGraph
 
 __all__ = [
     "ExternalAttentionRule",
@@ -128,7 +130,6 @@ def register_attention_op(op: Any, *, q: int = 0, k: int = 1, v: int = 2, layout
         raise RegistrationError(f"layout must be one of {LAYOUTS} (where the heads axis is), got {layout!r}.")
     keys, name = _resolve(op)
     from ..match import SDPA_OPS
-    from .flex_attention import FLEX_OPS
     if any(key in SDPA_OPS or key in FLEX_OPS for key in keys):
         raise RegistrationError(f"{name} is recognised already (rules sdpa / flex_attention); no need to register it.")
     _check_schema(keys, name, roles)
@@ -230,7 +231,7 @@ class ExternalAttentionRule:
     def _unregistered(self, g: MatchGraph, node: Node) -> Anchor | None:
         target = node.target
         if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
-                or _namespace(target) in _KNOWN_NAMESPACES:
+                or _namespace(target) in _KNOWN_NAMESPACES or target in FLEX_OPS:
             return None
         tensors = [(i, a) for i, a in enumerate(node.args) if isinstance(a, Node) and shape_of(a) is not None
                    and len(shape_of(a)) >= 3]  # type: ignore[arg-type]
@@ -278,3 +279,6 @@ def _guess_layout(g: MatchGraph, node: Node) -> str:
         return "bhsd" if val.stride(1) < val.stride(2) else "bshd"
     except (AttributeError, TypeError, RuntimeError):
         return "bhsd"
+
+
+register_rule(ExternalAttentionRule())

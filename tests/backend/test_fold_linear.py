@@ -1,0 +1,58 @@
+"""kha_compile.backend.rules.fold_linear: KHA-Linear folded into the projection (graph run eagerly)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kha_compile as kc
+from backend_cases import RTOL_OUT, kha_case, rel, run
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])  # separate, fused Conv1D, interleaved [H, 3, Dh]
+@pytest.mark.parametrize("cfg", [kc.KHAConfig(q="linear", k="linear", v="linear"), kc.KHAConfig(q="linear", v="mlp")],
+                         ids=["qkv_linear", "q_linear_v_mlp"])
+def test_fold_layouts(name, cfg):
+    case = kha_case(name, cfg)
+    ref = run(case.model, case)
+    be = kc.backend(compiler="eager")
+    got = run(torch.compile(case.model, backend=be), case)
+    assert rel(got, ref) < RTOL_OUT
+    n_linear = sum(kind == "linear" for kind in cfg.roles().values())
+    assert be.stats.rewrites["fold_linear"] == n_linear * case.num_sites
+    assert be.stats.mlp_value_ops == (case.num_sites if cfg.v == "mlp" else 0)
+    assert not be.stats.declined
+
+
+def test_fold_declined_while_training():
+    case = kha_case("llama", kc.KHAConfig(q="linear", k="linear", v="linear"))
+    be = kc.backend(compiler="eager")
+    ref = run(case.model, case, grad=True)
+    got = run(torch.compile(case.model, backend=be), case, grad=True)
+    assert rel(got.detach(), ref.detach()) < RTOL_OUT
+    assert be.stats.rewrites["fold_linear"] == 0
+    assert be.stats.declined and all("gradients are on" in why for _, _, why in be.stats.declined)
+
+
+def test_fold_follows_in_place_updates():
+    """A folded weight is recomputed when a source parameter changes (e.g. an optimizer step)."""
+    case = kha_case("llama", kc.KHAConfig(v="linear"))
+    be = kc.backend(compiler="eager")
+    compiled = torch.compile(case.model, backend=be)
+    run(compiled, case)
+    with torch.no_grad():
+        case.model.get_parameter("model.layers.0.self_attn.v_proj.kha.v.weight").mul_(-1.5)
+    got, ref = run(compiled, case), run(case.model, case)
+    assert rel(got, ref) < RTOL_OUT
+    assert be.stats.rewrites["fold_linear"] == case.num_sites and len(be.stats.graphs) == 1
+
+
+
+
+def test_fold_switched_off_keeps_the_matmuls():
+    case = kha_case("llama", kc.KHAConfig(v="linear"))
+    ref = run(case.model, case)
+    be = kc.backend(compiler="eager", fold=False)
+    got = run(torch.compile(case.model, backend=be), case)
+    assert rel(got, ref) < RTOL_OUT
+    assert be.stats.rewrites["fold_linear"] == 0
+    assert [d.reason for d in be.stats.declined] == ["folding is switched off (fold=False)"] * case.num_sites

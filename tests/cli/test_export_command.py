@@ -1,0 +1,64 @@
+"""kha_compile.cli.commands.export: `export`, its output directory, and the onnxruntime check."""
+from __future__ import annotations
+
+import pytest
+
+from cli_cases import run
+
+
+@pytest.mark.slow  # a full torch.onnx export: 10-20 s on two busy cores
+def test_export_mlp_value_writes_custom_nodes_and_matches_onnxruntime(capsys, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from kha_compile.exporters import onnx_summary
+
+    path = tmp_path / "sub" / "model.onnx"
+    code, out, _ = run(capsys, "export", "tiny-qwen3", str(path), "--mlp")
+    assert code == 0
+    assert onnx_summary(path).num_custom_nodes == 2
+    assert f"created the output directory {path.parent}" in out
+    assert "onnxruntime vs torch" in out and "✓" in out
+
+
+def _identity_onnx(target, path, **kwargs):
+    """Stands in for export_onnx: writes a one-node ONNX file (the command's own steps around it are tested)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_export_creates_a_missing_directory_and_says_so(capsys, tmp_path, monkeypatch, caplog):
+    pytest.importorskip("onnx")
+    import logging
+
+    import kha_compile.exporters.onnx as onnx_exporter
+
+    monkeypatch.setattr(onnx_exporter, "export_onnx", _identity_onnx)
+    path = tmp_path / "new" / "deeper" / "model.onnx"
+    with caplog.at_level(logging.INFO, logger="kha_compile"):  # -v: the command logs at INFO
+        code, out, _ = run(capsys, "-v", "export", "tiny-llama", str(path), "--no-check")
+    assert code == 0 and path.is_file()
+    assert f"created the output directory {path.parent}" in out
+    assert any("created the output directory" in r.getMessage() for r in caplog.records)
+    # an existing directory is used as is, without the message
+    code, out, _ = run(capsys, "export", "tiny-llama", str(path), "--no-check")
+    assert code == 0 and "created the output directory" not in out
+
+
+def test_export_under_a_file_is_refused(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("onnx")
+    import kha_compile.exporters.onnx as onnx_exporter
+
+    monkeypatch.setattr(onnx_exporter, "export_onnx", _identity_onnx)
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "export", "tiny-llama", str(tmp_path / "file" / "model.onnx"), "--no-check")
+    assert code == 2 and "exists and is not a directory" in err
+
+
+def test_export_help_documents_the_directory_behaviour(capsys):
+    code, out, _ = run(capsys, "export", "--help")
+    assert code == 0 and "directory is created (and reported) if it does not exist" in " ".join(out.split())
