@@ -243,11 +243,20 @@ class ExternalAttentionRule:
         (iq, q), (ik, k), (iv, _) = fed[:3]
         if shape_of(q)[-1] != shape_of(k)[-1]:  # type: ignore[index]
             return None
+        if self._claimed_later(g, node):
+            return None  # a rule registered after this one knows the op: let it answer
         layout = _guess_layout(g, q)
         call = (f"kc.register_attention_op({_op_name(target)}, q={iq}, k={ik}, v={iv}, layout={layout!r})")
         return Anchor(node, "unregistered", {}, {},
                       f"{_op_name(target)} looks like attention (q, k, v come from projections) but is not "
                       f"registered; if it computes attention, call {call} before kc.apply")
+
+
+    def _claimed_later(self, g: MatchGraph, node: Node) -> bool:
+        from . import attention_rules
+        rules = attention_rules()
+        mine = next((i for i, r in enumerate(rules) if r.name == self.name), len(rules))
+        return any(r.match(g, node) is not None for r in rules[mine + 1:])
 
 
 def _guess_layout(g: MatchGraph, node: Node) -> str:
