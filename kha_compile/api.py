@@ -12,6 +12,8 @@ from .config import KHAConfig
 from .errors import AlreadyAppliedError, KHAError, NoAttentionFoundError
 from .modules import detach, detach_mha, KHAMultiheadAttention
 from .passes.inputs import example_inputs as _example_inputs
+from .parametrized import raw_parameters
+from .passes.handlers import functional
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
 from .passes.trace import capture
@@ -23,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
     args, kwargs = _example_inputs(model, example_args, example_kwargs)
-    cap = capture(model, args, kwargs)
+    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+        cap = capture(model, args, kwargs)
     raw = find_sites(cap.exported)
     sites, plan = build_sites(model, raw, cap, cfg)
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
@@ -99,6 +102,8 @@ def remove(model: nn.Module) -> nn.Module:
     for _, module in kha_modules(model):
         if isinstance(module, KHAMultiheadAttention):
             detach_mha(module)
+        elif functional.is_kha_functional(module):
+            functional.detach(module)
         else:
             detach(module)
     return model

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..errors import FoldError
 from ..modules import HeadSlot, KHAMultiheadAttention, detach, detach_mha, is_kha_projection
+from .handlers import functional
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 
@@ -100,10 +101,11 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
     modules = [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)]
-    if not modules:
+    fn_updates, fn_mlp, fn_finish = functional.fold_updates(model, strict)  # parametrized functional weights
+    if not modules and not fn_updates and not fn_mlp:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
-    mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in m.kha.items() if t.kind != "linear"]
+    mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in m.kha.items() if t.kind != "linear"] + fn_mlp
     if mlp and strict:
         shown = ", ".join(mlp[:4]) + (f" and {len(mlp) - 4} more" if len(mlp) > 4 else "")
         raise FoldError(f"cannot fold: MLP-value KHA is not linear and stays an op ({shown}). Nothing was changed. "
@@ -127,6 +129,7 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             updates.append((m, "weight", w))
             if b is not None:
                 updates.append((m, "bias", b))
+    updates.extend(fn_updates)
     bad = [f"{type(m).__name__}.{pname}" for m, pname, v in updates if not v.is_meta and not torch.isfinite(v).all()]
     if bad:
         raise FoldError(f"fold produced non-finite values in {bad[:3]}; the KHA weights hold inf/NaN. "
@@ -134,7 +137,7 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     # 2. commit
     with torch.no_grad():
         for m, pname, value in updates:
-            getattr(m, pname).copy_(value)
+            (m._parameters[pname] if pname in m._parameters else getattr(m, pname)).copy_(value)
     folded = 0
     for name, m in modules:
         linear_roles = [r for r, t in m.kha.items() if t.kind == "linear"]
@@ -143,5 +146,6 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             del m.kha[r]
         if len(m.kha) == 0:
             detach_mha(m) if isinstance(m, KHAMultiheadAttention) else detach(m)
+    folded += fn_finish()
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model

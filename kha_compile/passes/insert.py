@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -17,6 +17,7 @@ from ..errors import KHAError
 from ..modules import HeadSlot, attach, attach_mha, is_kha_projection, KHAMultiheadAttention
 from ..report import AttentionSite
 from .layout import slot_from_map
+from .handlers import functional
 from .match import RawSite, RoleMatch
 from .trace import Capture
 
@@ -32,6 +33,7 @@ class PlanEntry:
     slots: list[HeadSlot]
     kinds: dict[str, str]  # role -> transform kind
     out_features: int
+    extra: Any = None  # handler-specific plan (functional: FunctionalEntry)
 
 
 def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
@@ -55,10 +57,10 @@ def _handler(model: nn.Module, m: RoleMatch) -> tuple[str, str]:
         if owner.bias_k is not None or owner.add_zero_attn:
             return "", "nn.MultiheadAttention with add_bias_kv/add_zero_attn is not supported"
         return "mha", ""
-    if m.projection.is_module_call:
+    if m.projection.is_module_call and m.projection.features_last:
         return "projection", ""
-    return "", (f"{m.role}: weight {m.projection.param} is used functionally inside "
-                f"{type(owner).__name__} ({m.projection.module_path}); no insertion handler for it")
+    ok, why = functional.accepts(model, m)  # functional weights, N-d weights (einsum, tensordot)
+    return ("functional", "") if ok else ("", why)
 
 
 def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: Optional[KHAConfig]
@@ -84,6 +86,9 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
             kinds["v"] = "linear"
         slots = {}
         for r in kinds:
+            if handlers[r][0] == "functional":
+                slots[r] = None  # positions live in the parameters (functional.add_role)
+                continue
             param_space = handlers[r][0] == "mha"
             s = _slot(r, raw.roles[r], param_space)
             if s is None:
@@ -100,11 +105,16 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
                 qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
             _current_transforms(model, site, paths, handlers)
+            site.note = "; ".join(x for x in (site.note, functional.describe(
+                model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] == "functional"}, rename)) if x)
             sites.append(site)
             for r, tk in kinds.items():
                 path = paths[r]
                 entry = plan.setdefault(path, PlanEntry(path, handlers[r][0], [], {},
                                                         int(raw.roles[r].projection.feature_map.numel())))
+                if handlers[r][0] == "functional":
+                    functional.add_role(entry, model, r, raw.roles[r], tk, rename)
+                    continue
                 if any(s.role == r for s in entry.slots):
                     continue
                 entry.slots.append(slots[r])
@@ -134,7 +144,8 @@ def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, 
             mod = model.get_submodule(paths[r])
         except AttributeError:
             continue
-        kha = getattr(mod, "kha", None) if (is_kha_projection(mod) or isinstance(mod, KHAMultiheadAttention)) else None
+        kha = getattr(mod, "kha", None) if (is_kha_projection(mod) or isinstance(mod, KHAMultiheadAttention)
+                                            or functional.is_kha_functional(mod)) else None
         if kha is not None and r in kha:
             site.transforms[r] = type(kha[r]).kind
 
@@ -148,6 +159,8 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
             attach_mha(module, entry.kinds)
         elif entry.handler == "projection":
             attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
+        elif entry.handler == "functional":
+            functional.attach(module, entry)
         else:  # pragma: no cover - build_sites never plans without a handler
             raise KHAError(f"no insertion handler for {entry.module_path}")
         count += len(entry.kinds)
@@ -156,4 +169,5 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
 
 def kha_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module in ``model`` that currently carries KHA transforms."""
-    return [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)]
+    return [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)
+            or (functional.is_kha_functional(m) and "kha" in m._modules)]

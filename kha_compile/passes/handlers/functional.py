@@ -1,0 +1,292 @@
+"""Projection handler for weights used functionally and for weights of any rank (einsum, tensordot).
+
+Covers ``F.linear(x, self.qkv.weight, cat(q_bias, zeros, v_bias))`` inside an attention module,
+``x @ self.w.t()``, ``einsum("bsd,dhk->bshk", x, self.w)`` with a ``(d_model, heads, head_dim)``
+or ``(heads, d_model, head_dim)`` parameter, ``tensordot``, and a module whose own forward is such
+an einsum with a head-shaped output. Which KHA each form gets:
+
+* **linear** (q, k, v): the parameters are parametrized (:mod:`kha_compile.parametrized`): the
+  weight and every bias piece read through their attribute return ``P`` with ``T`` folded into
+  each head slice, so the projection output of every head is ``y_h T`` exactly, and fold writes
+  that same tensor back into the (N-d) parameter. Zero pieces of an assembled bias stay zero.
+* **MLP-value** (v): the module whose forward calls the projection is given a forward that
+  intercepts that call (a ``TorchFunctionMode``) and applies the transform to the head slices of
+  its output, after a bias added right after the op. Not foldable; exports as the fused op.
+
+The transforms live in a ``kha`` child of the module owning the weight. Hooks: ``accepts``,
+``add_role`` (planning), ``attach``, ``detach``, ``fold_updates`` and ``describe`` (site note).
+
+Example::
+
+    ok, why = accepts(model, role_match)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import FoldError, KHAError
+from ...modules import KHATransforms, is_kha_projection, make_transform
+from ...parametrized import (KHAFunctional, ParamSlot, ProjectionCall, fold_param, functional_class_for,
+                             is_kha_functional, restore_class)
+from ..match import RoleMatch, _module_path
+
+__all__ = ["name", "param_space", "accepts", "add_role", "attach", "detach", "fold_updates", "describe",
+           "FunctionalEntry", "is_kha_functional"]
+
+log = logging.getLogger(__name__)
+
+name = "functional"
+param_space = True  # slots are positions in the parameters, not in a module output
+
+
+def _owner_attr(path: str) -> tuple[str, str]:
+    owner, _, attr = path.rpartition(".")
+    return owner, attr
+
+
+def _param_slots(m: RoleMatch) -> tuple[list[tuple[str, str, ParamSlot]], str]:
+    """(param path, kind, slot) for every parameter piece carrying this role's heads, or a reason."""
+    out = []
+    index = m.head_map.index  # (H, Dh) projection features
+    for piece in m.projection.pieces:
+        pos = piece.feature_map[index]  # (H, Dh) positions over the piece's axes, -1 where not this piece
+        covered = (pos >= 0).all(dim=1)
+        partial = (pos >= 0).any(dim=1) & ~covered
+        if bool(partial.any()):
+            return [], (f"{m.role}: a head of {m.projection.param} takes only part of its bias from "
+                        f"{piece.name}; linear KHA cannot be folded into it")
+        if bool(covered.any()):
+            out.append((piece.name, piece.kind, ParamSlot(m.role, piece.axes, pos[covered].clone())))
+    return out, ""
+
+
+def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
+    """Whether this handler can carry KHA for a role whose projection is functional or N-d."""
+    proj = m.projection
+    if proj.pieces_reason:
+        return False, f"{m.role}: {proj.pieces_reason} (projection on {proj.param})"
+    slots, why = _param_slots(m)
+    if why:
+        return False, why
+    for path, kind, slot in slots:
+        owner, attr = _owner_attr(path)
+        try:
+            mod = model.get_submodule(owner)
+        except AttributeError:
+            return False, f"{m.role}: owner of {path!r} is not a submodule"
+        if isinstance(mod, nn.MultiheadAttention) or is_kha_projection(mod):
+            return False, f"{m.role}: {path} belongs to {type(mod).__name__}, which another handler owns"
+        if kind == "buffer":
+            value = getattr(mod, attr, None)
+            if not isinstance(value, Tensor) or value.is_meta:
+                return False, f"{m.role}: bias piece {path} is a buffer whose values cannot be checked"
+            flat = value.detach().movedim(slot.axes, tuple(range(-len(slot.axes), 0))).reshape(-1)
+            if bool((flat[slot.index.reshape(-1)] != 0).any()):
+                return False, (f"{m.role}: bias piece {path} is a non-zero buffer; linear KHA folds only into "
+                               "parameters (register it as a parameter, or leave this role without KHA)")
+    return True, ""
+
+
+@dataclasses.dataclass
+class RolePlan:
+    """What one role needs on real modules: parametrized pieces and the call to intercept."""
+
+    kind: str
+    head_dim: int
+    params: list[tuple[nn.Module, str, ParamSlot]]  # linear: (module, attribute, slot)
+    call: Optional[tuple[nn.Module, nn.Module, str, int, int, tuple[int, ...], Tensor, bool]]  # mlp
+
+
+@dataclasses.dataclass
+class FunctionalEntry:
+    """The ``extra`` of a plan entry handled here: one per module owning a weight (the ``kha`` home)."""
+
+    roles: dict[str, RolePlan] = dataclasses.field(default_factory=dict)
+
+
+def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
+    """(feature axes, (H, Dh) positions in the flattened output, bias added after the op)."""
+    idx = m.projection.out_index
+    if idx is None:  # pragma: no cover - every projection carries it
+        raise KHAError("projection without an output index; this is a bug")
+    axes = tuple(a for a in range(idx.dim()) if idx.shape[a] > 1 and bool((idx != idx.narrow(a, 0, 1)).any()))
+    moved = idx.movedim(axes, tuple(range(idx.dim() - len(axes), idx.dim())))
+    feats = moved.reshape(-1, int(torch.Size([idx.shape[a] for a in axes]).numel()))[0]  # position -> feature
+    inv = torch.empty_like(feats)
+    inv[feats] = torch.arange(feats.numel())
+    node = m.projection.node
+    post = node.target not in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default) and \
+        any(p.kind != "weight" for p in m.projection.pieces)
+    return axes, inv[m.head_map.index], post
+
+
+def add_role(entry: Any, model: nn.Module, role: str, m: RoleMatch, kind: str, rename: Callable[[str], str]) -> None:
+    """Record ``role`` (kind "linear" | "mlp") of a matched site in a plan entry (``entry.extra``)."""
+    extra = entry.extra if isinstance(getattr(entry, "extra", None), FunctionalEntry) else FunctionalEntry()
+    entry.extra = extra
+    if role in extra.roles:
+        return  # shared layers: the same projection serves several calls
+    slots, _ = _param_slots(m)
+    call_path = rename(_module_path(m.projection.node))
+    params = []
+    call = None
+    if kind == "linear":
+        for path, pkind, slot in slots:
+            if pkind == "buffer":
+                continue  # zeros on these heads: stay zeros under T
+            owner, attr = _owner_attr(rename(path))
+            params.append((model.get_submodule(owner), attr, slot))
+    else:
+        axes, positions, post = _call_plan(m)
+        owner, attr = _owner_attr(rename(m.projection.param))
+        call = (model.get_submodule(call_path), model.get_submodule(owner), attr, m.projection.occurrence,
+                int(m.projection.out_index.dim()), axes, positions, post)
+    extra.roles[role] = RolePlan(kind, m.head_map.head_dim, params, call)
+    entry.kinds[role] = kind
+
+
+def describe(model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[str], str] = lambda p: p) -> str:
+    """The site-report note for the roles this handler carries: which form gets which KHA, and how."""
+    if not roles:
+        return ""
+    by_param: dict[str, list[str]] = {}
+    for r, m in roles.items():
+        by_param.setdefault(rename(m.projection.param), []).append(r)
+    parts = []
+    for param, rs in by_param.items():
+        m = roles[rs[0]]
+        proj = m.projection
+        op = str(proj.node.target).split(".")[-2] if "." in str(proj.node.target) else str(proj.node.target)
+        rank = len(proj.pieces[0].axes) + 1 if proj.pieces else 2
+        pieces = [rename(p.name) for p in proj.pieces if p.kind != "buffer"]
+        call_path = rename(_module_path(proj.node))
+        try:
+            owner_mod = model.get_submodule(call_path)
+            where = getattr(type(owner_mod), "_kha_base_class", type(owner_mod)).__name__ + ".forward"
+        except AttributeError:
+            where = call_path or "forward"
+        form = "N-d weight" if proj.out_index is not None and not proj.features_last or rank > 2 else "functional weight"
+        parts.append(f"{','.join(rs)}: {form} {param} via {op}: linear KHA parametrizes {', '.join(pieces)} "
+                     f"(exact fold); MLP-value intercepts the {op} call in {where}")
+    return "; ".join(parts)
+
+
+def _switch(module: nn.Module) -> None:
+    if is_kha_projection(module) or isinstance(module, nn.MultiheadAttention):
+        raise KHAError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
+                       "parametrize its parameters.")
+    module.__class__ = functional_class_for(type(module))
+
+
+def attach(module: nn.Module, entry: Any) -> nn.Module:
+    """Give the weight owner ``module`` its ``kha`` transforms and wire parameters and calls to them."""
+    extra: FunctionalEntry = entry.extra
+    ref = next(iter(module.parameters(recurse=False)), None)
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
+    device = ref.device if ref is not None else None
+    transforms = KHATransforms({r: make_transform(p.kind, p.head_dim, dtype=dtype, device=device)
+                                for r, p in extra.roles.items()})
+    touched = [module]
+    for role, plan in extra.roles.items():
+        for mod, attr, _ in plan.params:
+            touched.append(mod)
+        if plan.call is not None:
+            touched.append(plan.call[0])
+    for mod in touched:
+        if not is_kha_functional(mod):
+            _switch(mod)
+    module.kha = transforms
+    links = module.__dict__.setdefault("_kha_links", [])
+    for role, plan in extra.roles.items():
+        t = transforms[role]
+        for mod, attr, slot in plan.params:
+            mod.__dict__.setdefault("_kha_pslots", {}).setdefault(attr, []).append((slot, t))
+            links.append(mod)
+        if plan.call is not None:
+            owner, w_owner, attr, occ, ndim, axes, positions, post = plan.call
+            calls = owner.__dict__.setdefault("_kha_calls", [])
+            calls.append(ProjectionCall(w_owner, attr, occ, ndim, axes, {role: positions}, {role: t}, post))
+            links.append(owner)
+    return module
+
+
+def _owned(t: Any, home: nn.Module) -> bool:
+    kha = home._modules.get("kha")
+    return kha is not None and any(t is v for v in kha.values())
+
+
+def _unlink(home: nn.Module, roles: Optional[set[str]] = None) -> None:
+    """Drop the parametrizations and calls of ``home``'s transforms (of ``roles``, or all)."""
+    kha = home._modules.get("kha")
+    if kha is None:
+        return
+    gone = [t for r, t in kha.items() if roles is None or r in roles]
+    for mod in list(home.__dict__.get("_kha_links", [])) + [home]:
+        pslots = mod.__dict__.get("_kha_pslots", {})
+        for attr in list(pslots):
+            pslots[attr] = [(s, t) for s, t in pslots[attr] if not any(t is g for g in gone)]
+            if not pslots[attr]:
+                del pslots[attr]
+        calls = mod.__dict__.get("_kha_calls")
+        if calls:
+            mod.__dict__["_kha_calls"] = [c for c in calls if not any(t is g for t in c.transforms.values() for g in gone)]
+    for r in [r for r, t in kha.items() if any(t is g for g in gone)]:
+        del kha[r]
+    if len(kha) == 0:
+        del home.kha
+    links = home.__dict__.get("_kha_links", [])
+    for mod in links + [home]:
+        restore_class(mod)
+    if not is_kha_functional(home):
+        return
+    home.__dict__["_kha_links"] = [m for m in links if is_kha_functional(m)]
+
+
+def detach(module: nn.Module) -> nn.Module:
+    """Undo :func:`attach` for a weight owner: every touched module gets its class back."""
+    _unlink(module)
+    return module
+
+
+def fold_updates(model: nn.Module, strict: bool) -> tuple[list[tuple[nn.Module, str, Tensor]], list[str], Callable[[], int]]:
+    """(new parameter values, MLP-value names kept, commit-finisher) for the functional handler's homes.
+
+    Computes only; the caller writes the values and then runs the finisher, which removes the
+    folded transforms and restores classes (it returns how many transforms were folded).
+    """
+    homes = [(n, m) for n, m in model.named_modules() if is_kha_functional(m) and "kha" in m._modules]
+    mlp = [f"{n}.kha.{r}" for n, m in homes for r, t in m.kha.items() if t.kind != "linear"]
+    updates = []
+    for _, mod in model.named_modules():
+        pslots = mod.__dict__.get("_kha_pslots") if is_kha_functional(mod) else None
+        for attr, slots in (pslots or {}).items():
+            lin = [(s, t.weight) for s, t in slots if t.kind == "linear"]
+            if not lin:
+                continue
+            raw = mod._parameters.get(attr)
+            if raw is None:
+                raise FoldError(f"cannot fold into {type(mod).__name__}.{attr}: not a parameter. Nothing was changed.")
+            with torch.no_grad():
+                updates.append((mod, attr, fold_param(raw.detach(), lin)))
+
+    def finish() -> int:
+        folded = 0
+        for _, home in homes:
+            linear = {r for r, t in home.kha.items() if t.kind == "linear"}
+            folded += len(linear)
+            _unlink(home, linear)
+        return folded
+    return updates, mlp, finish
+
+
+def functional_homes(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules holding the ``kha`` transforms of this handler."""
+    return [(n, m) for n, m in model.named_modules() if is_kha_functional(m) and "kha" in m._modules]
+
+
+_ = KHAFunctional  # re-exported for isinstance checks by callers
