@@ -244,6 +244,8 @@ class _Graph:
         if not module_path or not stack or _module_path(node) != module_path:
             return False
         own = {node}
+        if any(n.target in SDPA_OPS or n.target in SOFTMAX_OPS for n in self.scope.get(list(stack)[-1], ())):
+            return False  # the attention itself owns the weight: used functionally, not a projection module
         for n in self.scope.get(list(stack)[-1], ()):  # this call of the module (shared layers run it often)
             if self.order[n] <= self.order[node]:
                 if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \

@@ -1,0 +1,66 @@
+"""The functional handler: projection weights used through F.linear / matmul inside another module."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kha_compile as kc
+from kha_compile.parametrized import ParamSlot, fold_param
+
+from projection_forms import LINEAR, MLP, check_form, two_blocks
+
+
+@pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])
+@pytest.mark.parametrize("form", ["beit", "matmul", "separate"])
+def test_functional_form(form, cfg, tmp_path):
+    check_form(form, cfg, tmp_path)
+
+
+def test_beit_report_names_the_bias_pieces_and_the_intercepted_call():
+    model, x = two_blocks("beit")
+    site = kc.inspect(model, example_args=(x,)).sites[0]
+    assert site.q_proj == site.k_proj == site.v_proj == "blocks.0.attn.qkv"
+    assert "functional weight blocks.0.attn.qkv.weight via linear" in site.note
+    assert "parametrizes blocks.0.attn.qkv.weight, blocks.0.attn.q_bias, blocks.0.attn.v_bias" in site.note
+    assert "intercepts the linear call in BeitAttention.forward" in site.note
+
+
+def test_mixed_linear_q_and_mlp_value_on_one_fused_functional_weight():
+    model, x = two_blocks("beit")
+    with torch.no_grad():
+        ref = model(x)
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+        for n, p in model.named_parameters():
+            if ".kha." in n:
+                p.add_(0.1 * torch.randn_like(p))
+        out = model(x)
+    kc.fold(model, strict=False)  # q, k fold into qkv.weight and q_bias; v stays an intercepted op
+    names = [n for n, _ in model.named_parameters() if ".kha." in n]
+    assert names and all(".kha.v." in n for n in names)
+    with torch.no_grad():
+        assert torch.equal(model(x), out)
+
+
+def test_fold_param_equals_the_transform_on_the_output():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, 2, 4)  # (roles, d_model, heads, head_dim): output axes 0, 2, 3
+    x = torch.randn(7, 5)
+    t = torch.randn(4, 4)
+    y = torch.einsum("nd,tdhk->nthk", x, w)  # (7, 3, 2, 4)
+    idx = (2 * 8 + torch.arange(2).unsqueeze(1) * 4 + torch.arange(4))  # role 2's heads, flat over (t, h, k)
+    got = torch.einsum("nd,tdhk->nthk", x, fold_param(w, [(ParamSlot("v", (0, 2, 3), idx), t)]))
+    expected = y.clone()
+    expected[:, 2] = y[:, 2] @ t
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fold_param(w, [(ParamSlot("v", (0, 2, 3), idx), torch.eye(4))]), w)  # exact at identity
+
+
+def test_a_code_path_without_the_traced_projection_call_is_an_error():
+    model, x = two_blocks("separate")
+    kc.apply(model, MLP, example_args=(x,))
+    attn = model.blocks[0].attn
+    attn.__dict__["_kha_calls"][0].occurrence = 5  # as if the forward took another path than the traced one
+    with pytest.raises(kc.KHAError, match="did not run in this forward"):
+        model(x)
