@@ -72,7 +72,9 @@ def fold_param(value: Tensor, slots: list[tuple[ParamSlot, Tensor]]) -> Tensor:
         cols = m.index_select(1, idx.reshape(-1)).reshape(m.shape[0], *idx.shape)  # (C, H, Dh)
         new = cols @ t.to(m.dtype)
         m = m.index_copy(1, idx.reshape(-1), new.reshape(m.shape[0], -1))
-    return m.reshape(*lead, *moved.shape[nd - len(axes):]).movedim(dest, axes)
+    out = m.reshape(*lead, *moved.shape[nd - len(axes):]).movedim(dest, axes)
+    # the parameter's own memory layout: ops then take the same kernels as with the original, bit for bit
+    return out.contiguous() if value.is_contiguous() else out
 
 
 @dataclasses.dataclass

@@ -32,3 +32,37 @@ def test_dense_general_bias_is_a_piece_of_the_projection():
     site = kc.inspect(model, example_args=(x,)).sites[0]
     assert "N-d weight blocks.0.attn.value.kernel via einsum" in site.note
     assert "parametrizes blocks.0.attn.value.kernel, blocks.0.attn.value.bias" in site.note
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference  # noqa: E402
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gqa_heads(), st.sampled_from(["dhk", "hdk", "tensordot", "fused"]), st.booleans(),
+       st.sampled_from(["linear", "mlp"]))
+def test_nd_projections_match_a_per_head_reference(heads, layout, bias, kind):
+    n_head, n_kv, head_dim = heads
+    if layout == "fused":
+        n_kv = n_head  # one (3, d, H, Dh) weight: as many kv heads as query heads
+    torch.manual_seed(0)
+    model = EinsumCase(8, n_head, n_kv, head_dim, layout, bias)
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        ref = model(x)
+    cfg = kc.KHAConfig(q="linear", k="linear", v="linear") if kind == "linear" else kc.KHAConfig(q="linear", v="mlp")
+    kc.apply(model, cfg, example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+        for n, p in model.named_parameters():
+            if ".kha." in n:
+                p.add_(0.2 * torch.randn_like(p))
+        out = model(x)
+        expected = reference(model, x, kha_transforms(model))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    if kind == "linear":
+        kc.fold(model)
+        with torch.no_grad():
+            assert torch.equal(model(x), out)
+        assert not kha_transforms(model)

@@ -64,3 +64,32 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
     attn.__dict__["_kha_calls"][0].occurrence = 5  # as if the forward took another path than the traced one
     with pytest.raises(kc.KHAError, match="did not run in this forward"):
         model(x)
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference  # noqa: E402
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gqa_heads(), st.booleans(), st.booleans(), st.sampled_from(["linear", "matmul", "matmul_T"]),
+       st.sampled_from(["linear", "mlp", "mixed"]))
+def test_functional_weights_match_a_per_head_reference(heads, fused, bias, op, kind):
+    n_head, n_kv, head_dim = heads
+    torch.manual_seed(0)
+    model = FunctionalCase(8, n_head, n_kv, head_dim, fused, bias, op)
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        ref = model(x)
+    cfg = {"linear": kc.KHAConfig(q="linear", k="linear", v="linear"), "mlp": kc.KHAConfig(v="mlp"),
+           "mixed": kc.KHAConfig(k="linear", v="mlp")}[kind]
+    kc.apply(model, cfg, example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+        for n, p in model.named_parameters():
+            if ".kha." in n:
+                p.add_(0.2 * torch.randn_like(p))
+        out = model(x)
+        expected = reference(model, x, kha_transforms(model))
+    assert set(kha_transforms(model)) == set(cfg.roles())
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
