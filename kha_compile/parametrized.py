@@ -129,16 +129,20 @@ def _apply_call(y: Tensor, call: ProjectionCall) -> Tensor:
         raise KHAError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
                        "traced; re-run kc.apply with example inputs that take this code path.")
     nd = y.dim()
-    dest = tuple(range(nd - len(call.feature_axes), nd))
-    moved = y.movedim(call.feature_axes, dest)
-    lead = moved.shape[: nd - len(dest)]
+    perm = [a for a in range(nd) if a not in call.feature_axes] + list(call.feature_axes)
+    moved = y.permute(perm) if perm != list(range(nd)) else y  # feature axes last (permute: a layout op)
+    lead = moved.shape[: nd - len(call.feature_axes)]
     flat = moved.reshape(*lead, -1)  # (..., F)
     for role, pos in call.positions.items():
         p = pos.to(y.device)
         heads = flat.index_select(-1, p.reshape(-1)).reshape(*lead, *p.shape)  # (..., H, Dh)
         new = call.transforms[role](heads).reshape(*lead, -1)
         flat = flat.index_copy(flat.dim() - 1, p.reshape(-1), new)
-    return flat.reshape(moved.shape).movedim(dest, call.feature_axes)
+    out = flat.reshape(moved.shape)
+    if perm == list(range(nd)):
+        return out
+    inverse = [perm.index(a) for a in range(nd)]
+    return out.permute(inverse)
 
 
 class _Intercept(TorchFunctionMode):

@@ -57,10 +57,10 @@ def _handler(model: nn.Module, m: RoleMatch) -> tuple[str, str]:
         if owner.bias_k is not None or owner.add_zero_attn:
             return "", "nn.MultiheadAttention with add_bias_kv/add_zero_attn is not supported"
         return "mha", ""
-    if m.projection.is_module_call and m.projection.features_last:
-        return "projection", ""
     ok, why = functional.accepts(model, m)  # functional weights, N-d weights (einsum, tensordot)
-    return ("functional", "") if ok else ("", why)
+    if ok or why:
+        return ("functional", "") if ok else ("", why)
+    return "projection", ""
 
 
 def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: Optional[KHAConfig]
@@ -113,7 +113,7 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 entry = plan.setdefault(path, PlanEntry(path, handlers[r][0], [], {},
                                                         int(raw.roles[r].projection.feature_map.numel())))
                 if handlers[r][0] == "functional":
-                    functional.add_role(entry, model, r, raw.roles[r], tk, rename)
+                    functional.add_role(entry, r, raw.roles[r], tk)
                     continue
                 if any(s.role == r for s in entry.slots):
                     continue

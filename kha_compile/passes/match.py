@@ -53,7 +53,7 @@ class Projection:
 
     node: Node
     param: str  # qualified name of the weight (traced paths)
-    module_path: str  # the module owning the weight
+    module_path: str  # the module owning the weight; for a weight used functionally, the module calling it
     is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
     feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
     input_node: Node
@@ -197,8 +197,10 @@ class _Graph:
         else:
             return None
         module_path = piece.name.rpartition(".")[0]
-        proj = Projection(node, piece.name, module_path, self.is_module_output(node, module_path), piece.feature_map,
-                          x, out_index, [piece])
+        is_call = self.is_module_output(node, module_path)
+        if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
+            module_path = _module_path(node)
+        proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
         bias = node.args[2] if node.target is aten.linear.default and len(node.args) > 2 else \
             node.args[0] if node.target is aten.addmm.default else None
         after = post_bias(node) if bias is None else None

@@ -24,24 +24,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError, KHAError
 from ...modules import KHATransforms, is_kha_projection, make_transform
-from ...parametrized import (KHAFunctional, ParamSlot, ProjectionCall, fold_param, functional_class_for,
-                             is_kha_functional, restore_class)
+from ...parametrized import (ParamSlot, ProjectionCall, fold_param, functional_class_for, is_kha_functional,
+                             restore_class)
 from ..match import RoleMatch, _module_path
 
-__all__ = ["name", "param_space", "accepts", "add_role", "attach", "detach", "fold_updates", "describe",
-           "FunctionalEntry", "is_kha_functional"]
+__all__ = ["name", "param_space", "accepts", "add_role", "attach", "detach", "fold", "fold_updates", "describe",
+           "homes", "FunctionalEntry", "FunctionalHandler", "is_kha_functional"]
 
 log = logging.getLogger(__name__)
 
 name = "functional"
-param_space = True  # slots are positions in the parameters, not in a module output
+param_space = False  # HeadSlots are not used: positions in the parameters come from add_role
 
 
 def _owner_attr(path: str) -> tuple[str, str]:
@@ -65,20 +65,41 @@ def _param_slots(m: RoleMatch) -> tuple[list[tuple[str, str, ParamSlot]], str]:
     return out, ""
 
 
+def _relative(home: str, path: str) -> Optional[str]:
+    """``path`` relative to the module at ``home`` ("" for itself), or None when it is not inside it."""
+    if not home:
+        return path
+    if path == home:
+        return ""
+    return path[len(home) + 1:] if path.startswith(home + ".") else None
+
+
 def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
-    """Whether this handler can carry KHA for a role whose projection is functional or N-d."""
+    """Whether this handler carries KHA for a role whose projection is functional or N-d.
+
+    Declines (with no reason) module-call projections whose features are the output's last axis:
+    those are the module handlers' (``linear``, ``conv1d``).
+    """
     proj = m.projection
+    if proj.is_module_call and proj.features_last:
+        return False, ""
     if proj.pieces_reason:
         return False, f"{m.role}: {proj.pieces_reason} (projection on {proj.param})"
     slots, why = _param_slots(m)
     if why:
         return False, why
+    try:
+        home = model.get_submodule(proj.module_path)
+    except AttributeError:
+        return False, f"{m.role}: {proj.module_path!r} (calling the projection on {proj.param}) is not a submodule"
+    if isinstance(home, nn.MultiheadAttention) or is_kha_projection(home):
+        return False, f"{m.role}: {proj.param} is used inside {type(home).__name__}, which another handler owns"
     for path, kind, slot in slots:
         owner, attr = _owner_attr(path)
-        try:
-            mod = model.get_submodule(owner)
-        except AttributeError:
-            return False, f"{m.role}: owner of {path!r} is not a submodule"
+        if _relative(proj.module_path, owner) is None:
+            return False, (f"{m.role}: {path} is not inside {proj.module_path or 'the model'}, whose forward uses it; "
+                           "kha_compile parametrizes only parameters of the module that calls the projection")
+        mod = model.get_submodule(owner)
         if isinstance(mod, nn.MultiheadAttention) or is_kha_projection(mod):
             return False, f"{m.role}: {path} belongs to {type(mod).__name__}, which another handler owns"
         if kind == "buffer":
@@ -94,17 +115,17 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
 
 @dataclasses.dataclass
 class RolePlan:
-    """What one role needs on real modules: parametrized pieces and the call to intercept."""
+    """What one role needs, in paths relative to the home module: parametrized pieces, the call."""
 
     kind: str
     head_dim: int
-    params: list[tuple[nn.Module, str, ParamSlot]]  # linear: (module, attribute, slot)
-    call: Optional[tuple[nn.Module, nn.Module, str, int, int, tuple[int, ...], Tensor, bool]]  # mlp
+    params: list[tuple[str, str, ParamSlot]]  # linear: (module path, attribute, slot)
+    call: Optional[tuple[str, str, int, int, tuple[int, ...], Tensor, bool]]  # mlp: weight owner, attr, ...
 
 
 @dataclasses.dataclass
 class FunctionalEntry:
-    """The ``extra`` of a plan entry handled here: one per module owning a weight (the ``kha`` home)."""
+    """The ``extra`` of a plan entry handled here: one per module calling projections (the ``kha`` home)."""
 
     roles: dict[str, RolePlan] = dataclasses.field(default_factory=dict)
 
@@ -125,27 +146,30 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     return axes, inv[m.head_map.index], post
 
 
-def add_role(entry: Any, model: nn.Module, role: str, m: RoleMatch, kind: str, rename: Callable[[str], str]) -> None:
-    """Record ``role`` (kind "linear" | "mlp") of a matched site in a plan entry (``entry.extra``)."""
+def add_role(entry: Any, role: str, m: RoleMatch, kind: str) -> None:
+    """Record ``role`` (kind "linear" | "mlp") of a matched site in a plan entry (``entry.extra``).
+
+    Paths are kept relative to the home (the module calling the projection), so one traced block
+    plans every repeated copy.
+    """
     extra = entry.extra if isinstance(getattr(entry, "extra", None), FunctionalEntry) else FunctionalEntry()
     entry.extra = extra
     if role in extra.roles:
         return  # shared layers: the same projection serves several calls
+    home = m.projection.module_path
     slots, _ = _param_slots(m)
-    call_path = rename(_module_path(m.projection.node))
-    params = []
+    params: list[tuple[str, str, ParamSlot]] = []
     call = None
     if kind == "linear":
         for path, pkind, slot in slots:
-            if pkind == "buffer":
-                continue  # zeros on these heads: stay zeros under T
-            owner, attr = _owner_attr(rename(path))
-            params.append((model.get_submodule(owner), attr, slot))
+            if pkind != "buffer":  # zero buffer pieces stay zero under T
+                owner, attr = _owner_attr(path)
+                params.append((_relative(home, owner) or "", attr, slot))
     else:
         axes, positions, post = _call_plan(m)
-        owner, attr = _owner_attr(rename(m.projection.param))
-        call = (model.get_submodule(call_path), model.get_submodule(owner), attr, m.projection.occurrence,
-                int(m.projection.out_index.dim()), axes, positions, post)
+        owner, attr = _owner_attr(m.projection.param)
+        call = (_relative(home, owner) or "", attr, m.projection.occurrence, int(m.projection.out_index.dim()),
+                axes, positions, post)
     extra.roles[role] = RolePlan(kind, m.head_map.head_dim, params, call)
     entry.kinds[role] = kind
 
@@ -159,18 +183,16 @@ def describe(model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[st
         by_param.setdefault(rename(m.projection.param), []).append(r)
     parts = []
     for param, rs in by_param.items():
-        m = roles[rs[0]]
-        proj = m.projection
+        proj = roles[rs[0]].projection
         op = str(proj.node.target).split(".")[-2] if "." in str(proj.node.target) else str(proj.node.target)
-        rank = len(proj.pieces[0].axes) + 1 if proj.pieces else 2
+        nd = len(proj.pieces[0].axes) + 1 if proj.pieces else 2
         pieces = [rename(p.name) for p in proj.pieces if p.kind != "buffer"]
-        call_path = rename(_module_path(proj.node))
         try:
-            owner_mod = model.get_submodule(call_path)
+            owner_mod = model.get_submodule(rename(proj.module_path))
             where = getattr(type(owner_mod), "_kha_base_class", type(owner_mod)).__name__ + ".forward"
         except AttributeError:
-            where = call_path or "forward"
-        form = "N-d weight" if proj.out_index is not None and not proj.features_last or rank > 2 else "functional weight"
+            where = proj.module_path or "forward"
+        form = "N-d weight" if nd > 2 or not proj.features_last else "functional weight"
         parts.append(f"{','.join(rs)}: {form} {param} via {op}: linear KHA parametrizes {', '.join(pieces)} "
                      f"(exact fold); MLP-value intercepts the {op} call in {where}")
     return "; ".join(parts)
@@ -180,44 +202,33 @@ def _switch(module: nn.Module) -> None:
     if is_kha_projection(module) or isinstance(module, nn.MultiheadAttention):
         raise KHAError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
                        "parametrize its parameters.")
-    module.__class__ = functional_class_for(type(module))
+    if not is_kha_functional(module):
+        module.__class__ = functional_class_for(type(module))
 
 
 def attach(module: nn.Module, entry: Any) -> nn.Module:
-    """Give the weight owner ``module`` its ``kha`` transforms and wire parameters and calls to them."""
+    """Give the home ``module`` its ``kha`` transforms and wire parameters and calls to them."""
     extra: FunctionalEntry = entry.extra
-    ref = next(iter(module.parameters(recurse=False)), None)
+    ref = next(iter(module.parameters()), None)
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
     device = ref.device if ref is not None else None
     transforms = KHATransforms({r: make_transform(p.kind, p.head_dim, dtype=dtype, device=device)
                                 for r, p in extra.roles.items()})
-    touched = [module]
-    for role, plan in extra.roles.items():
-        for mod, attr, _ in plan.params:
-            touched.append(mod)
-        if plan.call is not None:
-            touched.append(plan.call[0])
-    for mod in touched:
-        if not is_kha_functional(mod):
+    plans = [(r, p, [module.get_submodule(path) for path, _, _ in p.params],
+              module.get_submodule(p.call[0]) if p.call is not None else None) for r, p in extra.roles.items()]
+    for _, _, mods, w_owner in plans:  # resolve everything before changing anything
+        for mod in [module, *mods]:
             _switch(mod)
     module.kha = transforms
-    links = module.__dict__.setdefault("_kha_links", [])
-    for role, plan in extra.roles.items():
+    for role, plan, mods, w_owner in plans:
         t = transforms[role]
-        for mod, attr, slot in plan.params:
+        for mod, (_, attr, slot) in zip(mods, plan.params):
             mod.__dict__.setdefault("_kha_pslots", {}).setdefault(attr, []).append((slot, t))
-            links.append(mod)
         if plan.call is not None:
-            owner, w_owner, attr, occ, ndim, axes, positions, post = plan.call
-            calls = owner.__dict__.setdefault("_kha_calls", [])
-            calls.append(ProjectionCall(w_owner, attr, occ, ndim, axes, {role: positions}, {role: t}, post))
-            links.append(owner)
+            _, attr, occ, ndim, axes, positions, post = plan.call
+            module.__dict__.setdefault("_kha_calls", []).append(
+                ProjectionCall(w_owner, attr, occ, ndim, axes, {role: positions}, {role: t}, post))
     return module
-
-
-def _owned(t: Any, home: nn.Module) -> bool:
-    kha = home._modules.get("kha")
-    return kha is not None and any(t is v for v in kha.values())
 
 
 def _unlink(home: nn.Module, roles: Optional[set[str]] = None) -> None:
@@ -226,57 +237,74 @@ def _unlink(home: nn.Module, roles: Optional[set[str]] = None) -> None:
     if kha is None:
         return
     gone = [t for r, t in kha.items() if roles is None or r in roles]
-    for mod in list(home.__dict__.get("_kha_links", [])) + [home]:
+    for mod in home.modules():
         pslots = mod.__dict__.get("_kha_pslots", {})
         for attr in list(pslots):
             pslots[attr] = [(s, t) for s, t in pslots[attr] if not any(t is g for g in gone)]
             if not pslots[attr]:
                 del pslots[attr]
-        calls = mod.__dict__.get("_kha_calls")
-        if calls:
-            mod.__dict__["_kha_calls"] = [c for c in calls if not any(t is g for t in c.transforms.values() for g in gone)]
+    calls = home.__dict__.get("_kha_calls")
+    if calls:
+        home.__dict__["_kha_calls"] = [c for c in calls if not any(t is g for t in c.transforms.values() for g in gone)]
     for r in [r for r, t in kha.items() if any(t is g for g in gone)]:
         del kha[r]
     if len(kha) == 0:
         del home.kha
-    links = home.__dict__.get("_kha_links", [])
-    for mod in links + [home]:
+    for mod in list(home.modules()):
         restore_class(mod)
-    if not is_kha_functional(home):
-        return
-    home.__dict__["_kha_links"] = [m for m in links if is_kha_functional(m)]
 
 
 def detach(module: nn.Module) -> nn.Module:
-    """Undo :func:`attach` for a weight owner: every touched module gets its class back."""
+    """Undo :func:`attach` for a home: every touched module gets its class back."""
     _unlink(module)
     return module
 
 
-def fold_updates(model: nn.Module, strict: bool) -> tuple[list[tuple[nn.Module, str, Tensor]], list[str], Callable[[], int]]:
-    """(new parameter values, MLP-value names kept, commit-finisher) for the functional handler's homes.
+def fold(module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
+    """New values (dotted names relative to the home ``module``) with the linear ``roles`` folded in.
 
-    Computes only; the caller writes the values and then runs the finisher, which removes the
-    folded transforms and restores classes (it returns how many transforms were folded).
+    Computes only. Write them to the stored parameters (``module.get_parameter(name)``), not through
+    attribute access, which returns the parametrized value.
     """
-    homes = [(n, m) for n, m in model.named_modules() if is_kha_functional(m) and "kha" in m._modules]
-    mlp = [f"{n}.kha.{r}" for n, m in homes for r, t in m.kha.items() if t.kind != "linear"]
-    updates = []
-    for _, mod in model.named_modules():
+    kha = module._modules.get("kha")
+    wanted = [kha[r] for r in roles if kha is not None and r in kha and kha[r].kind == "linear"]
+    out = []
+    for path, mod in module.named_modules():
         pslots = mod.__dict__.get("_kha_pslots") if is_kha_functional(mod) else None
         for attr, slots in (pslots or {}).items():
-            lin = [(s, t.weight) for s, t in slots if t.kind == "linear"]
+            lin = [(s, t.weight) for s, t in slots if any(t is w for w in wanted)]
             if not lin:
                 continue
             raw = mod._parameters.get(attr)
             if raw is None:
                 raise FoldError(f"cannot fold into {type(mod).__name__}.{attr}: not a parameter. Nothing was changed.")
             with torch.no_grad():
-                updates.append((mod, attr, fold_param(raw.detach(), lin)))
+                out.append((f"{path}.{attr}" if path else attr, fold_param(raw.detach(), lin)))
+    return out
+
+
+def homes(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules holding ``kha`` transforms of this handler."""
+    return [(n, m) for n, m in model.named_modules() if is_kha_functional(m) and "kha" in m._modules]
+
+
+def fold_updates(model: nn.Module, strict: bool) -> tuple[list[tuple[nn.Module, str, Tensor]], list[str], Callable[[], int]]:
+    """(new parameter values, MLP-value names kept, finisher) over every home in ``model``.
+
+    Computes only; the caller writes the values, then runs the finisher, which removes the folded
+    transforms and restores classes (it returns how many transforms were folded).
+    """
+    found = homes(model)
+    mlp = [f"{n}.kha.{r}" for n, m in found for r, t in m.kha.items() if t.kind != "linear"]
+    updates = []
+    for _, home in found:
+        for name, value in fold(home, [r for r, t in home.kha.items() if t.kind == "linear"]):
+            owner, _, attr = name.rpartition(".")
+            updates.append((home.get_submodule(owner), attr, value))
 
     def finish() -> int:
         folded = 0
-        for _, home in homes:
+        for _, home in found:
             linear = {r for r, t in home.kha.items() if t.kind == "linear"}
             folded += len(linear)
             _unlink(home, linear)
@@ -284,9 +312,26 @@ def fold_updates(model: nn.Module, strict: bool) -> tuple[list[tuple[nn.Module, 
     return updates, mlp, finish
 
 
-def functional_homes(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules holding the ``kha`` transforms of this handler."""
-    return [(n, m) for n, m in model.named_modules() if is_kha_functional(m) and "kha" in m._modules]
+class FunctionalHandler:
+    """The registry form of this handler (see ``passes/handlers/base.py``): the functions above."""
 
+    name = name
+    param_space = False
 
-_ = KHAFunctional  # re-exported for isinstance checks by callers
+    def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
+        return accepts(model, m)
+
+    def owns(self, module: nn.Module) -> bool:
+        return is_kha_functional(module) and "kha" in module._modules
+
+    def plan_role(self, entry: Any, role: str, m: RoleMatch, kind: str) -> None:
+        add_role(entry, role, m, kind)
+
+    def attach(self, module: nn.Module, entry: Any) -> None:
+        attach(module, entry)
+
+    def detach(self, module: nn.Module) -> None:
+        detach(module)
+
+    def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
+        return fold(module, roles)

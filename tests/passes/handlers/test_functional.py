@@ -19,7 +19,7 @@ def test_functional_form(form, cfg, tmp_path):
 def test_beit_report_names_the_bias_pieces_and_the_intercepted_call():
     model, x = two_blocks("beit")
     site = kc.inspect(model, example_args=(x,)).sites[0]
-    assert site.q_proj == site.k_proj == site.v_proj == "blocks.0.attn.qkv"
+    assert site.q_proj == site.k_proj == site.v_proj == "blocks.0.attn"  # the module calling the projection
     assert "functional weight blocks.0.attn.qkv.weight via linear" in site.note
     assert "parametrizes blocks.0.attn.qkv.weight, blocks.0.attn.q_bias, blocks.0.attn.v_bias" in site.note
     assert "intercepts the linear call in BeitAttention.forward" in site.note
