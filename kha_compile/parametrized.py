@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +35,16 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import KHAError
 
-__all__ = ["ParamSlot", "ProjectionCall", "KHAFunctional", "fold_param", "functional_class_for", "is_kha_functional",
-           "raw_parameters", "restore_class"]
+__all__ = [
+    "KHAFunctional",
+    "ParamSlot",
+    "ProjectionCall",
+    "fold_param",
+    "functional_class_for",
+    "is_kha_functional",
+    "raw_parameters",
+    "restore_class",
+]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kha_params, perturb
 from torch import nn
 
 import kha_compile as kc
-from helpers import kha_params, perturb
 
 D, H, DH = 32, 4, 8
 E = H * DH
@@ -215,7 +215,7 @@ def check_form(form: str, cfg: kc.KHAConfig, tmp_path) -> None:
     assert all(s.transforms == cfg.roles() for s in report.sites), [s.transforms for s in report.sites]
     assert all("parametrizes" in s.note and "intercepts" in s.note for s in report.sites)
     names = list(kha_params(model))
-    assert len(names) == 2 * (3 if cfg.v == "linear" else 3) and all(".kha." in f".{n}" for n in names)
+    assert len(names) == 2 * 3 and all(".kha." in f".{n}" for n in names)
     assert all(type(m).__module__.startswith("kha_compile") for m in model.modules() if type(m) not in classes)
     with torch.no_grad():
         assert torch.equal(model(x), ref)  # identity at init, exactly

@@ -229,9 +229,8 @@ class _Graph:
             if not isinstance(n, Node) or n in seen:
                 continue
             seen.add(n)
-            if n.op == "placeholder":
-                if n.name not in self.params and n.name not in self.buffers and n.name not in self.constants:
-                    return False
+            if n.op == "placeholder" and not (n.name in self.params or n.name in self.buffers or n.name in self.constants):
+                return False  # an activation (a user input) feeds it
             stack.extend(n.all_input_nodes)
         return True
 

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch.fx import Node
 
 from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
 
-__all__ = ["ParamPiece", "projection_info", "weight_source", "bias_pieces", "post_bias", "root_param", "PROJ_TARGETS"]
+__all__ = ["PROJ_TARGETS", "ParamPiece", "bias_pieces", "post_bias", "projection_info", "root_param", "weight_source"]
 
 aten = torch.ops.aten
 
@@ -157,7 +157,7 @@ def _einsum_index(wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: s
     return feats.reshape(shape).expand(out_shape)
 
 
-def root_param(node: Any, params: dict[str, str]) -> Optional[Node]:
+def root_param(node: Any, params: dict[str, str]) -> Node | None:
     """The parameter placeholder behind ``node`` through layout ops, or None."""
     cur = node
     while isinstance(cur, Node) and cur.op == "call_function":
@@ -170,7 +170,7 @@ def root_param(node: Any, params: dict[str, str]) -> Optional[Node]:
 
 
 def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
-                  ) -> Optional[tuple[str, tuple[int, ...], list[Tensor]]]:
+                  ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
     """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
     chain = []
     cur = node
@@ -201,7 +201,7 @@ def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tenso
 
 
 def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str], constants: dict[str, Tensor]
-                  ) -> Optional[ParamPiece]:
+                  ) -> ParamPiece | None:
     """The parameter seen through layout ops at ``node`` (a projection's weight arg), as a piece.
 
     ``arg_axes`` are the weight arg's output axes. Each parameter axis must follow only the output
@@ -225,7 +225,7 @@ def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str],
         if by_col and not by_row:
             p_axes.append(a)
             cols.append(m[:, 0])
-        elif not by_row and not (shape[a] == 1):
+        elif not by_row and shape[a] != 1:
             return None  # one parameter axis follows both features and contracted axes
     if not p_axes:
         return None
@@ -238,7 +238,7 @@ def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str],
 
 
 def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str], table: list, depth: int = 0
-                      ) -> Optional[Tensor]:
+                      ) -> Tensor | None:
     """Index tensor of ``node``'s shape: id of each element's source (param offset + position, -1 for zero)."""
     if depth > 24 or not isinstance(node, Node):
         return None
@@ -299,7 +299,7 @@ def bias_pieces(bias: Node, out_index: Tensor, n_features: int, params: dict[str
     return pieces, ""
 
 
-def post_bias(node: Node) -> Optional[Node]:
+def post_bias(node: Node) -> Node | None:
     """The bias operand of an add that is the projection's only user (``einsum(...) + b``), if any."""
     users = list(node.users)
     if len(users) != 1:

@@ -24,19 +24,39 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError, KHAError
 from ...modules import KHATransforms, is_kha_projection, make_transform
-from ...parametrized import (ParamSlot, ProjectionCall, fold_param, functional_class_for, is_kha_functional,
-                             restore_class)
-from ..match import RoleMatch, _module_path
+from ...parametrized import (
+    ParamSlot,
+    ProjectionCall,
+    fold_param,
+    functional_class_for,
+    is_kha_functional,
+    restore_class,
+)
+from ..match import RoleMatch
 
-__all__ = ["name", "param_space", "accepts", "add_role", "attach", "detach", "fold", "fold_updates", "describe",
-           "homes", "FunctionalEntry", "FunctionalHandler", "is_kha_functional"]
+__all__ = [
+    "FunctionalEntry",
+    "FunctionalHandler",
+    "accepts",
+    "add_role",
+    "attach",
+    "describe",
+    "detach",
+    "fold",
+    "fold_updates",
+    "homes",
+    "is_kha_functional",
+    "name",
+    "param_space",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +85,7 @@ def _param_slots(m: RoleMatch) -> tuple[list[tuple[str, str, ParamSlot]], str]:
     return out, ""
 
 
-def _relative(home: str, path: str) -> Optional[str]:
+def _relative(home: str, path: str) -> str | None:
     """``path`` relative to the module at ``home`` ("" for itself), or None when it is not inside it."""
     if not home:
         return path
@@ -120,7 +140,7 @@ class RolePlan:
     kind: str
     head_dim: int
     params: list[tuple[str, str, ParamSlot]]  # linear: (module path, attribute, slot)
-    call: Optional[tuple[str, str, int, int, tuple[int, ...], Tensor, bool]]  # mlp: weight owner, attr, ...
+    call: tuple[str, str, int, int, tuple[int, ...], Tensor, bool] | None  # mlp: weight owner, attr, ...
 
 
 @dataclasses.dataclass
@@ -231,7 +251,7 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
     return module
 
 
-def _unlink(home: nn.Module, roles: Optional[set[str]] = None) -> None:
+def _unlink(home: nn.Module, roles: set[str] | None = None) -> None:
     """Drop the parametrizations and calls of ``home``'s transforms (of ``roles``, or all)."""
     kha = home._modules.get("kha")
     if kha is None:

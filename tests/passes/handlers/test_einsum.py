@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from projection_forms import LINEAR, MLP, check_form, two_blocks
 
 import kha_compile as kc
 from kha_compile.passes.match import find_sites
 from kha_compile.passes.trace import capture
-
-from projection_forms import LINEAR, MLP, check_form, two_blocks
 
 
 @pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])
@@ -34,9 +33,9 @@ def test_dense_general_bias_is_a_piece_of_the_projection():
     assert "parametrizes blocks.0.attn.value.kernel, blocks.0.attn.value.bias" in site.note
 
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
-from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

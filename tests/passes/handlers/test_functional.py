@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from projection_forms import LINEAR, MLP, check_form, two_blocks
 
 import kha_compile as kc
 from kha_compile.parametrized import ParamSlot, fold_param
-
-from projection_forms import LINEAR, MLP, check_form, two_blocks
 
 
 @pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])
@@ -66,9 +65,9 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
         model(x)
 
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
-from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
