@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from projection_forms import LINEAR, MLP, check_form, two_blocks
+from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference
 
 import kha_compile as kc
 from kha_compile.passes.match import find_sites
@@ -33,9 +36,6 @@ def test_dense_general_bias_is_a_piece_of_the_projection():
     assert "parametrizes blocks.0.attn.value.kernel, blocks.0.attn.value.bias" in site.note
 
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

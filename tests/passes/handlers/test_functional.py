@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from projection_forms import LINEAR, MLP, check_form, two_blocks
+from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 import kha_compile as kc
 from kha_compile.parametrized import ParamSlot, fold_param
@@ -65,9 +69,6 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
         model(x)
 
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,3 +93,36 @@ def test_functional_weights_match_a_per_head_reference(heads, fused, bias, op, k
         expected = reference(model, x, kha_transforms(model))
     assert set(kha_transforms(model)) == set(cfg.roles())
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+class ZeroBufferBias(torch.nn.Module):
+    """timm style: the key bias is a zero buffer between two parameters, ``cat(q_bias, k_bias, v_bias)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, bias=False)
+        self.q_bias, self.v_bias = torch.nn.Parameter(torch.randn(16)), torch.nn.Parameter(torch.randn(16))
+        self.register_buffer("k_bias", torch.zeros(16), persistent=False)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        q, k, v = qkv.view(B, S, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, 16)
+
+
+def test_a_zero_buffer_bias_piece_stays_zero_and_linear_kha_folds_exactly():
+    torch.manual_seed(0)
+    model, x = ZeroBufferBias(), torch.randn(2, 5, 16)
+    keys = list(model.state_dict())
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear"), example_args=(x,))
+    (site,) = kc.inspect(model, example_args=(x,)).sites
+    assert site.status == "matched" and "parametrizes qkv.weight, q_bias, v_bias" in site.note
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".kha." in f".{n}":
+                p.add_(0.1 * torch.randn_like(p))
+        out = model(x)
+        kc.fold(model)
+        assert torch.equal(model(x), out) and torch.equal(model.k_bias, torch.zeros(16))
+    assert list(model.state_dict()) == keys and type(model) is ZeroBufferBias
