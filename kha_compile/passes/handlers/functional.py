@@ -355,3 +355,11 @@ class FunctionalHandler:
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         return fold(module, roles)
+
+
+try:  # the handler registry (passes/handlers/__init__.py), where it exists: before the fallback handlers
+    from . import register_handler  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - insert.py calls this module's functions directly
+    pass
+else:  # pragma: no cover
+    register_handler(FunctionalHandler(), first=True)
