@@ -12,6 +12,7 @@ from .config import KHAConfig
 from .errors import AlreadyAppliedError, KHAConfigError, NoAttentionFoundError
 from .passes.handlers import handler_of
 from .passes.inputs import example_inputs as _example_inputs
+from .parametrized import raw_parameters
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
 from .passes.trace import capture
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
     args, kwargs = _example_inputs(model, example_args, example_kwargs)
-    cap = capture(model, args, kwargs)
+    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+        cap = capture(model, args, kwargs)
     raw = find_sites(cap.exported)
     sites, plan = build_sites(model, raw, cap, cfg)
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
