@@ -99,6 +99,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model)                    # vanilla architecture, original state_dict keys
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
+    from .handlers import adapter
+
+    adapter.sync(model)  # KHA that PEFT wrapped as base_layer moves out to the adapter wrapper first
     modules = [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)]
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
@@ -114,6 +117,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     for name, m in modules:
         if isinstance(m, KHAMultiheadAttention):
             updates.extend((m, pname, value) for pname, value in _mha_updates(m))
+            continue
+        if isinstance(m, adapter.KHAAdapterProjection):  # base weight and every lora_B
+            updates.extend(adapter.fold(name, m))
             continue
         axis = weight_out_axis(m)
         linear_slots = [s for s in m._kha_slots if s.role in m.kha and m.kha[s.role].kind == "linear"]
@@ -143,5 +149,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             del m.kha[r]
         if len(m.kha) == 0:
             detach_mha(m) if isinstance(m, KHAMultiheadAttention) else detach(m)
+    adapter.unwatch(model)
+    from ..hf_checkpoint import record_config
+
+    record_config(model)
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model

@@ -146,6 +146,10 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
         module = model.get_submodule(entry.module_path)
         if entry.handler == "mha":
             attach_mha(module, entry.kinds)
+        elif entry.handler == "adapter":  # a PEFT wrapper: T(base(x) + adapters(x))
+            from .handlers import adapter
+
+            adapter.attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
         elif entry.handler == "projection":
             attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
         else:  # pragma: no cover - build_sites never plans without a handler
