@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from typing import Optional
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch import nn
 from .config import KHAConfig
 from .errors import CheckpointError, KHAError
 
-__all__ = ["record_config", "is_hf_dir", "read_hf", "CONFIG_KEY"]
+__all__ = ["CONFIG_KEY", "is_hf_dir", "read_hf", "record_config"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +27,7 @@ CONFIG_KEY = "kha_compile"
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
-def _hf_config(model: nn.Module) -> Optional[object]:
+def _hf_config(model: nn.Module) -> object | None:
     from .passes.handlers.adapter import unwrap_model
 
     cfg = getattr(unwrap_model(model), "config", None)
@@ -87,7 +86,7 @@ def read_hf(directory: pathlib.Path) -> tuple[KHAConfig, dict[str, torch.Tensor]
     for fname, keys in files.items():
         try:
             with safe_open(str(directory / fname), framework="pt") as f:
-                for key in keys or [k for k in f.keys() if ".kha." in f".{k}"]:
+                for key in keys or [k for k in f.keys() if ".kha." in f".{k}"]:  # noqa: SIM118 (safe_open is not a dict)
                     tensors[canonical_name(key)] = f.get_tensor(key)
         except Exception as exc:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"{str(directory / fname)!r} cannot be read (truncated or not safetensors): "

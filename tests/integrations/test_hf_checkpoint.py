@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
+from helpers import kha_params, perturb
 
 import kha_compile as kc
 from kha_compile import _tiny
-from helpers import kha_params, perturb
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM
 
 CFG = kc.KHAConfig(q="linear", v="mlp")
 IDS = torch.randint(0, _tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -31,8 +30,9 @@ def test_config_records_kha_and_fold_drops_it():
     kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
     assert model.config.kha_compile == {"version": model.config.kha_compile["version"], "q": "linear", "k": None,
                                         "v": "linear"}
+    assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
     kc.fold(model)
-    assert not hasattr(model.config, "kha_compile")
+    assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
     kc.apply(model, CFG)
     kc.remove(model)
     assert not hasattr(model.config, "kha_compile")

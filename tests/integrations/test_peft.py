@@ -5,13 +5,13 @@ import copy
 
 import pytest
 import torch
+from helpers import kha_params, perturb
 
 import kha_compile as kc
 from kha_compile import _tiny
-from helpers import kha_params, perturb
 
 peft = pytest.importorskip("peft")
-from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft import LoraConfig, get_peft_model
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 MLP = kc.KHAConfig(q="linear", v="mlp")
@@ -75,6 +75,7 @@ def test_merge_and_fold_commute(order):
         assert not kha_params(folded)
         assert type(folded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
         assert not hasattr(folded.config, "kha_compile")
+        assert not folded._forward_pre_hooks  # vanilla: the re-wiring hook is gone too
         torch.testing.assert_close(folded(input_ids=IDS).logits, want, atol=1e-5, rtol=0)
 
 

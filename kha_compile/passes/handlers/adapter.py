@@ -24,23 +24,44 @@ import contextlib
 import logging
 import re
 import sys
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError, KHAError
-from ...modules import HeadSlot, KHAProjection, KHATransforms, _plan, detach, is_kha_projection, make_transform
+from ...modules import (
+    HeadSlot,
+    KHAProjection,
+    KHATransforms,
+    _plan,
+    detach,
+    is_kha_projection,
+    make_transform,
+)
 
-__all__ = ["accepts", "attach", "detach", "fold", "unwrap_model", "adapters_off", "retarget", "sync", "watch",
-           "unwatch", "canonical_name", "mark_trainable", "KHAAdapterProjection"]
+__all__ = [
+    "KHAAdapterProjection",
+    "accepts",
+    "adapters_off",
+    "attach",
+    "canonical_name",
+    "detach",
+    "fold",
+    "mark_trainable",
+    "retarget",
+    "sync",
+    "unwatch",
+    "unwrap_model",
+    "watch",
+]
 
 log = logging.getLogger(__name__)
 
-_WATCH = "_kha_adapter_watch"  # (hook handle, [(parent, child name, carrier)]) in the watched model's __dict__
+_WATCH = "_kha_adapter_watch"  # [(parent, child name, carrier)] in the watched model's __dict__
 
 
-def _tuner_layer_cls() -> Optional[type]:
+def _tuner_layer_cls() -> type | None:
     if "peft" not in sys.modules:  # a model can only hold PEFT layers if peft was imported
         return None
     try:
@@ -86,14 +107,14 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     saved = [(m, m.__dict__.get("_disable_adapters")) for m in wrappers]
     try:
         for m, _ in saved:
-            m._disable_adapters = True
+            m.__dict__["_disable_adapters"] = True
         yield
     finally:
         for m, old in saved:
             if old is None:
                 m.__dict__.pop("_disable_adapters", None)
             else:
-                m._disable_adapters = old
+                m.__dict__["_disable_adapters"] = old
 
 
 def retarget(model: nn.Module, plan: list, sites: list) -> None:
@@ -133,7 +154,7 @@ class KHAAdapterProjection(KHAProjection):
     which then computes the merged (or adapter-free) projection.
     """
 
-    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names: Any) -> nn.Module:
+    def unload_and_optionally_merge_module(self: Any, merge: bool, safe_merge: bool, adapter_names: Any) -> nn.Module:
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
         base = self.get_base_layer()
@@ -154,7 +175,7 @@ def _adapter_class(base_cls: type) -> type:
     return cls
 
 
-def _ref_param(module: nn.Module) -> Optional[Tensor]:
+def _ref_param(module: Any) -> Tensor | None:
     base = module.get_base_layer() if accepts(module) else module
     return next(iter(base.parameters(recurse=False)), None)
 
@@ -173,7 +194,7 @@ def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str]
     return module
 
 
-def _install(module: nn.Module, transforms: KHATransforms, slots: tuple[HeadSlot, ...], out_features: int) -> None:
+def _install(module: Any, transforms: KHATransforms, slots: tuple[HeadSlot, ...], out_features: int) -> None:
     module.__class__ = _adapter_class(type(module)) if accepts(module) else _plain_class(module)
     module.kha = transforms
     module._kha_slots = slots
@@ -187,14 +208,14 @@ def _plain_class(module: nn.Module) -> type:
     return kha_class_for(type(module))
 
 
-def _move(src: nn.Module, dst: nn.Module) -> None:
+def _move(src: Any, dst: nn.Module) -> None:
     """Move the KHA transforms (same parameter objects) from ``src`` to ``dst``."""
     transforms, slots, out = src.kha, src._kha_slots, src._kha_out_features
     detach(src)
     _install(dst, transforms, slots, out)
 
 
-def fold(name: str, module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+def fold(name: str, module: Any) -> list[tuple[nn.Module, str, Tensor]]:
     """New tensors (module, parameter name, value) that fold the wrapper's linear KHA; nothing written."""
     from ..fold import fold_rows, weight_out_axis
 
@@ -218,6 +239,7 @@ def fold(name: str, module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
     for s in slots:
         w, b = fold_rows(w, b, s, module.kha[s.role].weight, axis)
     out: list[tuple[nn.Module, str, Tensor]] = [(base, "weight", w)] + ([(base, "bias", b)] if b is not None else [])
+    lin: Any
     for lin in lora_b.values():  # (out, r): rows are the projection's output features
         lw, lb = lin.weight, getattr(lin, "bias", None)
         for s in slots:
@@ -259,7 +281,7 @@ def sync(model: nn.Module) -> int:
     for m in model.modules():
         state = m.__dict__.get(_WATCH)
         if state is not None:
-            state[1][:] = _carriers(m)
+            state[:] = _carriers(m)
     return moved
 
 
@@ -267,7 +289,7 @@ def _check_hook(module: nn.Module, args: Any) -> None:
     state = module.__dict__.get(_WATCH)
     if state is None:
         return
-    for parent, cname, child in state[1]:
+    for parent, cname, child in state:
         if parent._modules.get(cname) is not child or not is_kha_projection(child):
             sync(module)
             return
@@ -278,8 +300,8 @@ def watch(model: nn.Module) -> None:
     if _WATCH in model.__dict__:
         sync(model)
         return
-    handle = model.register_forward_pre_hook(_check_hook)
-    model.__dict__[_WATCH] = (handle, _carriers(model))
+    model.register_forward_pre_hook(_check_hook)
+    model.__dict__[_WATCH] = _carriers(model)
 
 
 def unwatch(model: nn.Module) -> None:
@@ -287,7 +309,9 @@ def unwatch(model: nn.Module) -> None:
     for m in model.modules():
         state = m.__dict__.get(_WATCH)
         if state is not None and not _carriers(m):
-            state[0].remove()
+            # by identity, not a stored handle: a deepcopy's handle may point at the original's hooks
+            for key in [k for k, h in m._forward_pre_hooks.items() if h is _check_hook]:
+                del m._forward_pre_hooks[key]
             del m.__dict__[_WATCH]
 
 
