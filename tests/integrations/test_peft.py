@@ -170,3 +170,9 @@ def test_apply_on_merged_adapters_refused():
     with pytest.raises(kc.KHAError, match="merged"):
         kc.apply(p, LINEAR)
     assert not kha_params(p)
+
+
+def test_example_lora_kha_runs():
+    from helpers import run_python
+
+    run_python("import runpy; runpy.run_path('examples/lora_kha.py', run_name='__main__')", "fold then merge")
