@@ -140,6 +140,7 @@ def test_canonical_checkpoint_loads_into_plain_and_peft_models(order, tmp_path):
     plain = _tiny.make("tiny-llama")
     kc.apply(plain, MLP)
     assert keys == set(kha_params(plain))
+    kc.backend(from_pretrained=tmp_path, model=_tiny.make("tiny-llama"))  # deploy mode validates names now
     fresh = kc.load_pretrained(_tiny.make("tiny-llama"), tmp_path)
     torch.testing.assert_close(kha_params(fresh)["model.layers.0.self_attn.v_proj.kha.v.up"],
                                dict(p.named_parameters())[

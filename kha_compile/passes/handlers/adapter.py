@@ -287,7 +287,7 @@ def sync(model: nn.Module) -> int:
 
 def _check_hook(module: nn.Module, args: Any) -> None:
     state = module.__dict__.get(_WATCH)
-    if state is None:
+    if state is None or torch.compiler.is_compiling():  # no module surgery inside a compiled graph
         return
     for parent, cname, child in state:
         if parent._modules.get(cname) is not child or not is_kha_projection(child):
