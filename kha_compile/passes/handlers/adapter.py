@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError, KHAError
