@@ -177,3 +177,28 @@ def test_example_lora_kha_runs():
     from helpers import run_python
 
     run_python("import runpy; runpy.run_path('examples/lora_kha.py', run_name='__main__')", "fold then merge")
+
+
+@pytest.mark.parametrize("order", ["lora_then_kha", "kha_then_lora"])
+def test_fused_qkv_conv1d_gpt2_merge_and_fold_commute(order):
+    """GPT-2's fused c_attn (Conv1D, weight (in, out)): per-role slots of one wrapper, lora_B rows."""
+    cfg = kc.KHAConfig(q="linear", k="linear", v="linear")
+    model = _tiny.make("tiny-gpt2")
+    lora_cfg = LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+    if order == "lora_then_kha":
+        p = get_peft_model(model, lora_cfg)
+        kc.apply(p, cfg)
+    else:
+        kc.apply(model, cfg)
+        p = kc.mark_trainable(get_peft_model(model, lora_cfg))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, q in p.named_parameters():
+            if "lora_B" in n:
+                q.copy_(0.2 * torch.randn(q.shape, generator=gen))
+    perturb(p, scale=0.2)
+    want = p(input_ids=IDS).logits
+    assert type(p.base_model.model.transformer.h[0].attn.c_attn).__name__ == "KHAAdapterLinear"
+    for folded in (kc.fold(copy.deepcopy(p).merge_and_unload()), kc.fold(copy.deepcopy(p)).merge_and_unload()):
+        assert not kha_params(folded) and type(folded.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+        torch.testing.assert_close(folded(input_ids=IDS).logits, want, atol=1e-5, rtol=0)
