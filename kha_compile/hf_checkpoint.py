@@ -35,7 +35,15 @@ def _hf_config(model: nn.Module) -> object | None:
 
 
 def record_config(model: nn.Module) -> None:
-    """Set ``model.config.kha_compile`` to the model's KHA config, or drop it when no KHA is left."""
+    """Set ``model.config.kha_compile`` to the model's KHA config, or drop it when no KHA is left.
+
+    Run by ``kc.apply``, ``kc.fold`` and ``kc.remove``.
+
+    Example::
+
+        record_config(model)
+        model.config.kha_compile        # {"version": 1, "q": None, "k": None, "v": "mlp"}
+    """
     from .checkpoint import config_of
     from .passes.insert import kha_modules
 
@@ -49,12 +57,24 @@ def record_config(model: nn.Module) -> None:
 
 
 def is_hf_dir(directory: pathlib.Path) -> bool:
-    """A directory written by a transformers model's ``save_pretrained`` (config.json + safetensors)."""
+    """A directory written by a transformers model's ``save_pretrained`` (config.json + safetensors).
+
+    Example::
+
+        is_hf_dir(pathlib.Path("out/checkpoint-500"))      # True for a Trainer checkpoint
+    """
     return (directory / "config.json").is_file() and ((directory / _SINGLE).is_file() or (directory / _INDEX).is_file())
 
 
 def read_hf(directory: pathlib.Path) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
-    """The KHA config (``config.json``'s ``kha_compile`` entry) and KHA tensors of a transformers directory."""
+    """The KHA config (``config.json``'s ``kha_compile`` entry) and KHA tensors of a transformers directory.
+
+    Only the ``.kha.`` tensors are read (through the shard index when sharded); names are canonical.
+
+    Example::
+
+        cfg, tensors = read_hf(pathlib.Path("out/checkpoint-500"))
+    """
     from safetensors import safe_open
 
     from .passes.handlers.adapter import canonical_name

@@ -73,7 +73,12 @@ def _tuner_layer_cls() -> type | None:
 
 
 def accepts(module: nn.Module) -> bool:
-    """True for an adapter wrapper (PEFT tuner layer with a ``base_layer``)."""
+    """True for an adapter wrapper (PEFT tuner layer with a ``base_layer``).
+
+    Example::
+
+        accepts(peft_model.base_model.model.model.layers[0].self_attn.q_proj)   # True (lora.Linear)
+    """
     cls = _tuner_layer_cls()
     return cls is not None and isinstance(module, cls) and isinstance(getattr(module, "base_layer", None), nn.Module)
 
@@ -98,6 +103,11 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
     With the adapters off, a wrapper computes ``base_layer(x)`` only, so the matcher sees an
     ordinary projection; the plan then moves to the wrapper (:func:`retarget`).
+
+    Example::
+
+        with adapters_off(model):
+            cap = capture(model, args, kwargs)
     """
     wrappers = [m for m in model.modules() if accepts(m)]
     merged = [type(m).__name__ for m in wrappers if getattr(m, "merged", False)]
@@ -119,7 +129,13 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 
 def retarget(model: nn.Module, plan: list, sites: list) -> None:
-    """Move plan entries (and report paths) from ``<wrapper>.base_layer`` to the adapter wrapper."""
+    """Move plan entries (and report paths) from ``<wrapper>.base_layer`` to the adapter wrapper.
+
+    Example::
+
+        sites, plan = build_sites(model, raw, cap, cfg)
+        retarget(model, plan, sites)    # "...q_proj.base_layer" -> "...q_proj", handler "adapter"
+    """
     def outer(path: str) -> str:
         while path.endswith(".base_layer"):
             parent = path[: -len(".base_layer")]
@@ -182,7 +198,12 @@ def _ref_param(module: Any) -> Tensor | None:
 
 
 def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str], out_features: int) -> nn.Module:
-    """Give an adapter wrapper KHA transforms in place (dtype and device of its base weight)."""
+    """Give an adapter wrapper KHA transforms in place (dtype and device of its base weight).
+
+    Example::
+
+        attach(lora_q_proj, (HeadSlot("q", 0, 4, 16, 16),), {"q": "linear"}, 64)
+    """
     ref = _ref_param(module)
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
     transforms = KHATransforms()
@@ -217,7 +238,13 @@ def _move(src: Any, dst: nn.Module) -> None:
 
 
 def fold(name: str, module: Any) -> list[tuple[nn.Module, str, Tensor]]:
-    """New tensors (module, parameter name, value) that fold the wrapper's linear KHA; nothing written."""
+    """New tensors (module, parameter name, value) that fold the wrapper's linear KHA; nothing written.
+
+    Example::
+
+        for mod, pname, value in fold("model.layers.0.self_attn.q_proj", wrapper):
+            getattr(mod, pname).data.copy_(value)      # kc.fold commits them after checking all
+    """
     from ..fold import fold_rows, weight_out_axis
 
     slots = [s for s in module._kha_slots if s.role in module.kha and module.kha[s.role].kind == "linear"]
@@ -297,7 +324,12 @@ def _check_hook(module: nn.Module, args: Any) -> None:
 
 
 def watch(model: nn.Module) -> None:
-    """Register the forward pre-hook that runs :func:`sync` when a KHA projection was wrapped."""
+    """Register the forward pre-hook that runs :func:`sync` when a KHA projection was wrapped.
+
+    Example::
+
+        watch(model)        # kc.apply does this; the hook costs one identity check per KHA projection
+    """
     if _WATCH in model.__dict__:
         sync(model)
         return
@@ -306,7 +338,12 @@ def watch(model: nn.Module) -> None:
 
 
 def unwatch(model: nn.Module) -> None:
-    """Remove the pre-hook from every watched module of ``model`` that no longer carries KHA."""
+    """Remove the pre-hook from every watched module of ``model`` that no longer carries KHA.
+
+    Example::
+
+        unwatch(model)      # kc.fold and kc.remove do this, so a vanilla model keeps no hook
+    """
     for m in model.modules():
         state = m.__dict__.get(_WATCH)
         if state is not None and not _carriers(m):
