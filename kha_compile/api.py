@@ -15,6 +15,7 @@ from .passes.inputs import example_inputs as _example_inputs
 from .parametrized import raw_parameters
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
+from .passes.handlers import adapter as _adapter
 from .passes.trace import capture
 from .report import Report
 
@@ -23,11 +24,13 @@ __all__ = ["apply", "inspect", "remove", "analyse"]
 log = logging.getLogger(__name__)
 
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
+    model = _adapter.unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
     args, kwargs = _example_inputs(model, example_args, example_kwargs)
-    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+    with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
         cap = capture(model, args, kwargs)
     raw = find_sites(cap.exported)
     sites, plan = build_sites(model, raw, cap, cfg)
+    _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
     return report, plan
 
@@ -75,7 +78,9 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         warnings.warn(message, stacklevel=2)
         log.warning(message)
         return model
-    count = insert(model, plan)
+    count = insert(_adapter.unwrap_model(model), plan)
+    _adapter.watch(_adapter.unwrap_model(model))
+    _record_config(model)
     for s in report.skipped:
         log.warning("KHA skipped %s: %s", s.name, s.reason)
     log.info("KHA inserted %d transforms into %d modules at %d attention sites (%d skipped) in %.2fs",
@@ -105,4 +110,12 @@ def remove(model: nn.Module) -> nn.Module:
     """
     for _, module in kha_modules(model):
         handler_of(module).detach(module)
+    _adapter.unwatch(model)
+    _record_config(model)
     return model
+
+
+def _record_config(model: nn.Module) -> None:
+    from .hf_checkpoint import record_config
+
+    record_config(model)

@@ -12,6 +12,7 @@ from torch import nn
 from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
 from .errors import CheckpointError, KHAError, NoKHATransformsError
+from .passes.handlers.adapter import canonical_name
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -34,7 +35,8 @@ def config_of(model: nn.Module) -> dict[str, Any]:
 
 
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if ".kha." in f".{k}"}
+    """The KHA tensors of ``model`` under canonical names (no PEFT ``base_model.model.`` / ``base_layer``)."""
+    return {canonical_name(k): v for k, v in model.state_dict().items() if ".kha." in f".{k}"}
 
 
 def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
@@ -70,6 +72,10 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
 
     directory = pathlib.Path(directory)
     cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    from .hf_checkpoint import is_hf_dir, read_hf
+
+    if not cfg_path.is_file() and is_hf_dir(directory):  # written by the model's own save_pretrained / Trainer
+        return read_hf(directory)
     for p in (cfg_path, weights_path):
         if not p.is_file():
             raise CheckpointError(f"{str(p)!r} does not exist; a KHA checkpoint directory holds "
@@ -131,7 +137,7 @@ def load_pretrained(model: nn.Module, directory, example_args: Any = (), example
             raise CheckpointError(f"the KHA checkpoint in {str(directory)!r} does not fit {type(model).__name__}: "
                                   f"{misfit}. The model was left unchanged.")
         with torch.no_grad():
-            params = dict(model.named_parameters())
+            params = {canonical_name(n): p for n, p in model.named_parameters()}
             for k, v in tensors.items():
                 params[k].copy_(v.to(dtype=params[k].dtype, device=params[k].device))
     except BaseException:

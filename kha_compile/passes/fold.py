@@ -53,6 +53,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model)                    # vanilla architecture, original state_dict keys
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
+    from .handlers import adapter
+
+    adapter.sync(model)  # KHA that PEFT wrapped as base_layer moves out to the adapter wrapper first
     modules = kha_modules(model)
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
@@ -85,5 +88,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         linear_roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
         folded += len(linear_roles)
         handler_of(m).drop(m, linear_roles)
+    adapter.unwatch(model)
+    from ..hf_checkpoint import record_config
+
+    record_config(model)
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model
