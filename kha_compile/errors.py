@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "BackendUnavailableError", "OpInputError",
+    "ExportError", "BackendUnavailableError", "OpInputError", "ShardedModelError",
 ]
 
 
@@ -53,3 +53,7 @@ class BackendUnavailableError(KHAError, ImportError):
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class ShardedModelError(KHAError):
+    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FoldError
+from ..parallel.fsdp import refuse_sharded
 from ..modules import HeadSlot, KHAMultiheadAttention, detach, detach_mha, is_kha_projection
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
@@ -100,6 +101,8 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
     modules = [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)]
+    if modules:
+        refuse_sharded(model, "fold")  # FSDP2/TP: gather first; nothing is changed
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
