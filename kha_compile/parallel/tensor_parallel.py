@@ -11,7 +11,7 @@ and, even if it did not, would shard the (d, d) transforms, which act on whole h
    [H, 3, Dh] projections work as long as every rank holds whole heads of every role;
 3. replicates the KHA parameters over the TP mesh (``Replicate()`` DTensors) and runs the
    transforms on each rank's local heads; in the backward their gradient is summed over the TP
-   group (one all-reduce per KHA tensor), which is exactly the single-process gradient, because
+   group (one all-reduce per transform, all its tensors in one bucket), which is exactly the single-process gradient, because
    each rank's heads only see their own part of the sum over all heads.
 
 Rule for GQA/MQA: with fewer heads of a role than TP ranks a head would be split across ranks,
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import KHAError
-from ..modules import HeadSlot, KHAMultiheadAttention, KHAProjection, _apply_segments, _pieces, _plan
+from ..modules import (HeadSlot, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention, KHAProjection, _apply_segments, _pieces, _plan)
 from ..passes.insert import kha_modules
 from .fsdp import is_dtensor
 from .sharding import register_mlp_value_sharding
@@ -48,18 +48,21 @@ log = logging.getLogger(__name__)
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """Identity forward; the backward all-reduces (sums) the gradient over ``group``."""
+    """Identity forward on several tensors; the backward sums their gradients over ``group`` in one all-reduce."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.group = group
-        return x.view_as(x)
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        flat = [g.reshape(-1) for g in grads if g is not None]
+        if len(flat) != len(grads):  # pragma: no cover - every KHA parameter takes part in its forward
+            raise KHAError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
+        bucket = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        torch.distributed.all_reduce(bucket, group=ctx.group)
+        return (None, *(b.view_as(g) for b, g in zip(bucket.split([f.numel() for f in flat]), grads)))
 
 
 class TensorParallelKHA:
@@ -96,8 +99,13 @@ class TensorParallelKHA:
     def _local_fn(self, role: str):  # type: ignore[no-untyped-def]
         module = self.kha[role]
         group = self._kha_tp_group
-        params = {n: _SumOverGroup.apply(p.to_local() if is_dtensor(p) else p, group)  # type: ignore[attr-defined]
-                  for n, p in module.named_parameters()}
+        names, tensors = zip(*module.named_parameters())
+        local = [p.to_local() if is_dtensor(p) else p for p in tensors]  # type: ignore[attr-defined]
+        params = dict(zip(names, _SumOverGroup.apply(group, *local)))  # one all-reduce per transform
+        if isinstance(module, KHALinearTransform):  # the two built-in kinds without functional_call's overhead
+            return lambda x: x @ params["weight"]
+        if isinstance(module, KHAMLPValue):
+            return lambda x: torch.ops.kha.mlp_value(x, params["up"], params["gate"], params["down"])
         return lambda x: torch.func.functional_call(module, params, (x,))
 
 
