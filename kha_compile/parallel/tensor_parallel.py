@@ -11,8 +11,9 @@ and, even if it did not, would shard the (d, d) transforms, which act on whole h
    [H, 3, Dh] projections work as long as every rank holds whole heads of every role;
 3. replicates the KHA parameters over the TP mesh (``Replicate()`` DTensors) and runs the
    transforms on each rank's local heads; in the backward their gradient is summed over the TP
-   group (one all-reduce per transform, all its tensors in one bucket), which is exactly the single-process gradient, because
-   each rank's heads only see their own part of the sum over all heads.
+   group (one all-reduce per transform, its tensors in one bucket), which is exactly the
+   single-process gradient, because each rank's heads only see their own part of the sum over all
+   heads.
 
 Rule for GQA/MQA: with fewer heads of a role than TP ranks a head would be split across ranks,
 and :class:`~kha_compile.errors.KHAError` says so; use a TP degree that divides every role's head
