@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import machine, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kha_compile as kc
-
-from _common import machine, write_json
 
 COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 

@@ -16,6 +16,6 @@ from .fsdp import is_sharded, refuse_sharded
 from .sharding import register_mlp_value_sharding
 from .tensor_parallel import parallelize
 
-__all__ = ["parallelize", "is_sharded", "refuse_sharded", "register_mlp_value_sharding"]
+__all__ = ["is_sharded", "parallelize", "refuse_sharded", "register_mlp_value_sharding"]
 
 register_mlp_value_sharding()

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import ShardedModelError
 
-__all__ = ["sharded_parts", "is_sharded", "refuse_sharded", "gather_for_save", "is_dtensor"]
+__all__ = ["gather_for_save", "is_dtensor", "is_sharded", "refuse_sharded", "sharded_parts"]
 
 log = logging.getLogger(__name__)
 

@@ -32,18 +32,27 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import KHAError
-from ..modules import (HeadSlot, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention, KHAProjection, _apply_segments, _pieces, _plan)
+from ..modules import (
+    HeadSlot,
+    KHALinearTransform,
+    KHAMLPValue,
+    KHAMultiheadAttention,
+    KHAProjection,
+    _apply_segments,
+    _pieces,
+    _plan,
+)
 from ..passes.insert import kha_modules
 from .fsdp import is_dtensor
 from .sharding import register_mlp_value_sharding
 
-__all__ = ["parallelize", "TensorParallelKHA"]
+__all__ = ["TensorParallelKHA", "parallelize"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +66,7 @@ class _SumOverGroup(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         flat = [g.reshape(-1) for g in grads if g is not None]
         if len(flat) != len(grads):  # pragma: no cover - every KHA parameter takes part in its forward
             raise KHAError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
@@ -124,7 +133,7 @@ def _tp_class(cls: type) -> type:
     return tp
 
 
-def _local_features(weight: Tensor, out_axis: int) -> Optional[Tensor]:
+def _local_features(weight: Tensor, out_axis: int) -> Tensor | None:
     """Global indices of this rank's output features (None: the output axis is not sharded)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -172,7 +181,7 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: Union[dict, Any],
+def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any,
                 **kwargs: Any) -> nn.Module:
     """``parallelize_module`` for a model that carries KHA, with the user's plan unchanged.
 
@@ -210,7 +219,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: Union[dict
     finally:
         for n, m in projections:
             m._modules["kha"] = hidden[n]
-    plans: dict[str, Optional[tuple[tuple[HeadSlot, ...], str, int]]] = {}
+    plans: dict[str, tuple[tuple[HeadSlot, ...], str, int] | None] = {}
     for n, m in projections:
         w = getattr(m, "weight", None)
         if not is_dtensor(w):

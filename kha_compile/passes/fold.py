@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import FoldError
-from ..parallel.fsdp import refuse_sharded
 from ..modules import HeadSlot, KHAMultiheadAttention, detach, detach_mha, is_kha_projection
+from ..parallel.fsdp import refuse_sharded
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 

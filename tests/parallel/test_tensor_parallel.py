@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _launch import expect, torchrun
+
 from kha_compile.errors import KHAError
 from kha_compile.modules import HeadSlot
 from kha_compile.parallel.tensor_parallel import local_slots
