@@ -172,18 +172,24 @@ def main(argv=None) -> dict:
     record: dict = {"kha_params": P, "world": args.world, "seq": args.seq, "batch": args.batch, "repeats": args.repeats}
     for kind in ("fsdp2", "tp"):
         base, kha = (statistics.median(res["times"][(kind, f)]) for f in (False, True))
+        base_min, kha_min = (min(res["times"][(kind, f)]) for f in (False, True))
         (b0, c0), (b1, c1) = res["comm"][(kind, False)], res["comm"][(kind, True)]
         added = b1 - b0
         extra_calls = {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c0) | set(c1)) if c1.get(k, 0) != c0.get(k, 0)}
-        print(f"  {kind:5s} step: no KHA {base * 1e3:7.1f} ms   KHA {kha * 1e3:7.1f} ms   ratio {kha / base:5.3f}")
+        print(f"  {kind:5s} step: no KHA {base * 1e3:7.1f} ms   KHA {kha * 1e3:7.1f} ms   ratio median "
+              f"{kha / base:5.3f}  min {kha_min / base_min:5.3f}")
         print(f"  {kind:5s} comm/step per rank: no KHA {b0:9d} B   KHA {b1:9d} B   added {added:7d} B   "
               f"formula {formula[kind]:7d} B ({'matches' if added == formula[kind] else 'DIFFERS'}); "
               f"extra collectives {extra_calls}")
-        record[kind] = {"step_s": base, "kha_step_s": kha, "ratio": kha / base, "comm_bytes": b0,
+        record[kind] = {"step_s": base, "kha_step_s": kha, "ratio": kha / base, "min_ratio": kha_min / base_min,
+                        "comm_bytes": b0,
                         "kha_comm_bytes": b1, "added_bytes": added, "formula_bytes": formula[kind],
                         "extra_collectives": extra_calls, "calls": c0, "kha_calls": c1}
+    load = os.getloadavg()[0]
+    record["load_average_1min"] = load
     print(f"  formula: FSDP2 3 * 4 * P (all-gather fwd + bwd, reduce-scatter), TP 4 * P (grad all-reduce); "
-          f"machine {machine()}")
+          f"machine {machine()}, load average {load:.1f} on {os.cpu_count()} cores (timings are noisy when it "
+          "exceeds the core count; the byte counts are exact)")
     write_json(args.json, record)
     return record
 

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,7 +98,7 @@ class TensorParallelKHA:
         fns = {s.role: self._local_fn(s.role) for s in slots}
         width = local.shape[-1]
         if mode == "blocks":  # (…, H*Dh) blocks per role
-            bounds = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
+            bounds: list[Any] = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
             out = _apply_segments(local, width, _pieces(bounds, width))
         else:  # interleaved (…, H, S)
             lead = local.shape[:-1]
@@ -106,7 +107,7 @@ class TensorParallelKHA:
             out = _apply_segments(y3, stride, _pieces(bounds, stride)).reshape(*lead, width)
         return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False, shape=y.shape, stride=y.stride())
 
-    def _local_fn(self, role: str):  # type: ignore[no-untyped-def]
+    def _local_fn(self, role: str) -> Callable[[Tensor], Tensor]:
         module = self.kha[role]
         group = self._kha_tp_group
         names, tensors = zip(*module.named_parameters())
@@ -166,7 +167,7 @@ def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[
                 "transforms act on whole head vectors, so every TP rank must hold whole heads of every role: use "
                 "a TP degree that divides the head count of every role (GQA/MQA: the number of kv heads), or "
                 "leave this attention's projections out of the plan (replicated).")
-        rows = [held[h] for h in whole]
+        rows = [[int(p) for p in held[h] if p is not None] for h in whole]
         first = [r[0] for r in rows]
         stride = first[1] - first[0] if len(first) > 1 else s.head_dim
         if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or \
@@ -222,7 +223,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
     plans: dict[str, tuple[tuple[HeadSlot, ...], str, int] | None] = {}
     for n, m in projections:
         w = getattr(m, "weight", None)
-        if not is_dtensor(w):
+        if not isinstance(w, Tensor) or not is_dtensor(w):
             plans[n] = None  # not in the plan: replicated, computed on every rank
             continue
         try:
@@ -246,11 +247,11 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
         layout = plans[n]
         if layout is None:
             continue
-        mesh = m.weight.device_mesh  # type: ignore[union-attr]
+        mesh: Any = m.weight.device_mesh  # type: ignore[union-attr]
         for t in m.kha.values():
-            for pname, p in list(t.named_parameters(recurse=False)):
-                t.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]),
-                                                         requires_grad=p.requires_grad))
+            for pname, param in list(t.named_parameters(recurse=False)):
+                t.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
+                                                         requires_grad=param.requires_grad))
         m.__class__ = _tp_class(type(m))
         m.__dict__["_kha_tp_layout"] = layout
         m.__dict__["_kha_tp_group"] = mesh.get_group()
