@@ -109,6 +109,12 @@ def main(out: pathlib.Path) -> None:
     for _ in range(2):
         train_step(model, ids, kha_params)
     ref = logits(model, ids)
+    if rank != 0:  # only rank 0 writes
+        import safetensors.torch
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a rank other than 0 wrote the checkpoint")
+        safetensors.torch.save_file = refuse
     kc.save_pretrained(model, out / "kha")
     written = sorted(p.name for p in (out / "kha").iterdir())
     assert written == ["kha_config.json", "kha_model.safetensors"], written  # complete once save returns
