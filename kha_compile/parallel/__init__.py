@@ -12,10 +12,13 @@ Example::
 """
 from __future__ import annotations
 
+import sys
+
 from .fsdp import is_sharded, refuse_sharded
 from .sharding import register_mlp_value_sharding
 from .tensor_parallel import parallelize
 
 __all__ = ["is_sharded", "parallelize", "refuse_sharded", "register_mlp_value_sharding"]
 
-register_mlp_value_sharding()
+if "torch.distributed.tensor" in sys.modules:  # importing it costs about a second: only if already in use
+    register_mlp_value_sharding()

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def is_dtensor(t: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (False where torch.distributed is unavailable)."""
-    if not torch.distributed.is_available():
+    """True for a ``torch.distributed.tensor.DTensor`` (no DTensor exists before that module is imported)."""
+    if "torch.distributed.tensor" not in sys.modules:  # keeps `import kha_compile` and kc.apply free of it
         return False
     from torch.distributed.tensor import DTensor
 
@@ -35,13 +36,10 @@ def is_dtensor(t: object) -> bool:
 
 def sharded_parts(model: nn.Module, limit: int = 3) -> list[str]:
     """Up to ``limit`` descriptions of what makes ``model`` sharded: FSDP2 modules and DTensor parameters."""
-    if not torch.distributed.is_available():
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
     found: list[str] = []
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no FSDP2 module exists before it is imported
     for name, m in model.named_modules():
-        if isinstance(m, FSDPModule):
+        if fsdp is not None and isinstance(m, fsdp.FSDPModule):
             found.append(f"FSDP module {name or '<root>'}")
             if len(found) >= limit:
                 return found

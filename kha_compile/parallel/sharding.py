@@ -3,8 +3,11 @@
 The transform acts on the last axis of ``v`` (one head vector) with (d, d) weights, so ``v`` may be
 sharded on any other axis (batch, sequence, heads) as long as the weights are replicated; the output
 is sharded like ``v``. In the backward, the weight gradients of a sharded ``v`` are partial sums
-(``Partial()``): DTensor reduces them where a replicated gradient is needed. Registered once, on
-first import of :mod:`kha_compile.parallel` (where torch.distributed is available).
+(``Partial()``): DTensor reduces them where a replicated gradient is needed. Registered once: on
+``import kha_compile`` when ``torch.distributed.tensor`` is already imported (importing it just for
+this would cost ``import kha_compile`` about a second), on the first :func:`kha_compile.parallelize`,
+or by calling :func:`register_mlp_value_sharding` (needed only when DTensor is imported after
+kha_compile and the op gets DTensor inputs without ``kc.parallelize``).
 
 Example::
 
