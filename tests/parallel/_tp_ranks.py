@@ -9,7 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor  # noqa: F401  (before kha_compile: its import registers mlp_value's rule)
+import torch.distributed.tensor  # before kha_compile: then its import registers mlp_value's DTensor rule
 
 import kha_compile as kc
 from kha_compile import _tiny
