@@ -131,6 +131,7 @@ def _tp_class(cls: type) -> type:
         name = f"TP{cls.__name__}"
         tp = type(name, (TensorParallelKHA, cls), {"__module__": __name__, "__qualname__": name})
         _TP_CLASSES[cls] = tp
+        globals().setdefault(name, tp)  # findable by name (pickle) in this process
     return tp
 
 
