@@ -12,7 +12,7 @@ from torch import nn
 from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
 from .errors import CheckpointError, KHAError
-from .parallel.fsdp import barrier, gather_for_save
+from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -56,20 +56,19 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     tensors, write, sharded = gather_for_save(state)  # FSDP2/TP: a collective; only rank 0 writes
     directory = pathlib.Path(directory)
     if not write:
-        barrier()
+        rank0_wrote()  # raises CheckpointError if rank 0 could not write
         return directory
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
-    meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
-    config = config_of(model)
-    config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+    with telling_other_ranks(sharded):  # sharded: rank 0 tells every rank whether the write succeeded
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
+        meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
+        config = config_of(model)
+        config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     log.info("saved %d KHA tensors to %s", len(tensors), directory)
-    if sharded:
-        barrier()
     return directory
 
 

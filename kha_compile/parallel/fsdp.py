@@ -12,13 +12,15 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from ..errors import ShardedModelError
+from ..errors import CheckpointError, ShardedModelError
 
 __all__ = ["gather_for_save", "is_dtensor", "is_sharded", "refuse_sharded", "sharded_parts"]
 
@@ -90,6 +92,23 @@ def gather_for_save(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return gathered, write, sharded
 
 
-def barrier() -> None:
-    """Wait for every rank (after rank 0 wrote a sharded model's checkpoint)."""
-    torch.distributed.barrier()
+def rank0_wrote(error: BaseException | None = None) -> None:
+    """Share rank 0's outcome of a sharded save with every rank (a collective); raise where it failed."""
+    box: list[str | None] = [None if error is None else f"{type(error).__name__}: {error}"]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None and torch.distributed.get_rank() != 0:
+        raise CheckpointError(f"rank 0 could not write the KHA checkpoint ({box[0]}); nothing was saved.")
+
+
+@contextlib.contextmanager
+def telling_other_ranks(sharded: bool) -> Iterator[None]:
+    """Rank 0's write of a sharded save: the other ranks wait in :func:`rank0_wrote` and learn the outcome."""
+    if not sharded:
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        rank0_wrote(exc)
+        raise
+    rank0_wrote()

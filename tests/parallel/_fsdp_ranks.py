@@ -122,6 +122,16 @@ def main(out: pathlib.Path) -> None:
         fresh = kc.load_pretrained(_tiny.make("tiny-llama"), out / "kha")  # single process, not sharded
         assert (logits(fresh, ids) - ref).abs().max() < TOL
         assert (ref - logits(_tiny.make("tiny-llama"), ids)).abs().max() > 1e-3  # training moved the logits
+    blocker = out / "a_file"  # rank 0 cannot create a directory under a file: every rank hears of it
+    if rank == 0:
+        blocker.write_text("x")
+    dist.barrier()
+    try:
+        kc.save_pretrained(model, blocker / "kha")
+    except kc.errors.CheckpointError as e:
+        assert ("cannot create checkpoint directory" if rank == 0 else "rank 0 could not write") in str(e), e
+    else:
+        raise AssertionError("a failed sharded save was not reported")
     print("OK sharded save -> single-process load")
 
     # 3. fold on the sharded model: refused, nothing changed
