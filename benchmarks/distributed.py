@@ -3,7 +3,8 @@
 A Llama-like model (hidden 256, 4 q / 2 kv heads of size 64, 2 layers, seq 128, batch 2), KHA-MLP
 on v (the paper's default). Each rank holds four models: FSDP2 without / with KHA, TP without /
 with KHA (kc.parallelize; q/k/v and MLP gate/up ColwiseParallel, o/down RowwiseParallel); their SGD
-steps run in turns (a, b, c, d, a, b, ...) and the step times are medians over the repeats.
+steps run in turns (a, b, c, d, then b, c, d, a, ...: the order rotates) and the step times are medians
+over the repeats.
 
 Communication: a TorchDispatchMode counts every collective (c10d and functional collectives) and
 its bytes (the full tensor: all-gather output, reduce-scatter input, all-reduce tensor). What KHA
@@ -125,8 +126,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: d
                 fn()
             comm[k] = (c.bytes, dict(c.calls))
         times: dict = {k: [] for k in steps}
-        for _ in range(args.repeats):
-            for k, fn in steps.items():
+        order = list(steps)
+        for r in range(args.repeats):
+            for k in order[r % len(order):] + order[:r % len(order)]:  # rotate: no variant always follows another
+                fn = steps[k]
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
