@@ -11,6 +11,7 @@ from torch import nn
 from .config import KHAConfig
 from .errors import AlreadyAppliedError, KHAConfigError, NoAttentionFoundError
 from .passes.handlers import handler_of
+from .parallel.fsdp import refuse_sharded
 from .passes.inputs import example_inputs as _example_inputs
 from .parametrized import raw_parameters
 from .passes.insert import build_sites, insert, kha_modules
@@ -60,6 +61,7 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         model = kc.apply(block, example_args=(x,))              # any other nn.Module
         print(kc.inspect(model))
     """
+    refuse_sharded(model, "apply")  # before anything is touched: apply before fully_shard/parallelize
     if cfg is None:
         cfg = KHAConfig()
     if not isinstance(cfg, KHAConfig):
@@ -97,6 +99,7 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: Optional[d
         print(report)                     # a table: kind, heads, kv heads, head dim, rope, qk-norm, kha
         report.sites[0].transforms        # {"v": "mlp"} after apply
     """
+    refuse_sharded(model, "inspect")
     report, _ = analyse(model, None, example_args, example_kwargs)
     return report
 

@@ -13,6 +13,7 @@ from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
 from .errors import CheckpointError, KHAError, NoKHATransformsError
 from .passes.handlers.adapter import canonical_name
+from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -45,23 +46,30 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     Example::
 
         kc.save_pretrained(model, "kha_ckpt")      # kha_model.safetensors + kha_config.json
+
+    On a sharded model (FSDP2, tensor parallel) every rank calls it: the KHA tensors are gathered,
+    global rank 0 writes a complete checkpoint, the other ranks write nothing, and all return together.
     """
     from safetensors.torch import save_file
 
     state = kha_state(model)
     if not state:
         raise NoKHATransformsError(f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first.")
+    tensors, write, sharded = gather_for_save(state)  # FSDP2/TP: a collective; only rank 0 writes
     directory = pathlib.Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
-    config = config_of(model)
-    config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+    if not write:
+        rank0_wrote()  # raises CheckpointError if rank 0 could not write
+        return directory
+    with telling_other_ranks(sharded):  # sharded: rank 0 tells every rank whether the write succeeded
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
+        meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
+        config = config_of(model)
+        config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     log.info("saved %d KHA tensors to %s", len(tensors), directory)
     return directory
 

@@ -23,6 +23,7 @@ from ..transforms import kind_of
 from .handlers import handler_of, weight_out_axis
 from .insert import kha_modules
 from .rows import fold_rows
+from ..parallel.fsdp import refuse_sharded
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 
@@ -57,6 +58,8 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
 
     adapter.sync(model)  # KHA that PEFT wrapped as base_layer moves out to the adapter wrapper first
     modules = kha_modules(model)
+    if modules:
+        refuse_sharded(model, "fold")  # FSDP2/TP: gather first; nothing is changed
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
