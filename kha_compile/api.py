@@ -11,9 +11,12 @@ from torch import nn
 from .config import KHAConfig
 from .errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
 from .passes.handlers import handler_of
+from .parallel.fsdp import refuse_sharded
 from .passes.inputs import example_inputs as _example_inputs
+from .parametrized import raw_parameters
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
+from .passes.handlers import adapter as _adapter
 from .passes.trace import capture
 from .report import Report
 
@@ -36,7 +39,8 @@ def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
 
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
-    cap = _step("trace", model, capture, model, args, kwargs)
+    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+        cap = _step("trace", model, capture, model, args, kwargs)
     raw = _step("match", model, find_sites, cap.exported)
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
@@ -74,6 +78,7 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         model = kc.apply(block, example_args=(x,))              # any other nn.Module
         print(kc.inspect(model))
     """
+    refuse_sharded(model, "apply")  # before anything is touched: apply before fully_shard/parallelize
     if cfg is None:
         cfg = KHAConfig()
     if not isinstance(cfg, KHAConfig):
@@ -92,7 +97,9 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         warnings.warn(message, stacklevel=2)
         log.warning(message)
         return model
-    count = insert(model, plan)
+    count = insert(_adapter.unwrap_model(model), plan)
+    _adapter.watch(_adapter.unwrap_model(model))
+    _record_config(model)
     for s in report.skipped:
         log.warning("KHA skipped %s: %s", s.name, s.reason)
     log.info("KHA inserted %d transforms into %d modules at %d attention sites (%d skipped) in %.2fs",
@@ -109,6 +116,7 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: Optional[d
         print(report)                     # a table: kind, heads, kv heads, head dim, rope, qk-norm, kha
         report.sites[0].transforms        # {"v": "mlp"} after apply
     """
+    refuse_sharded(model, "inspect")
     report, _ = analyse(model, None, example_args, example_kwargs)
     return report
 
@@ -122,4 +130,12 @@ def remove(model: nn.Module) -> nn.Module:
     """
     for _, module in kha_modules(model):
         handler_of(module).detach(module)
+    _adapter.unwatch(model)
+    _record_config(model)
     return model
+
+
+def _record_config(model: nn.Module) -> None:
+    from .hf_checkpoint import record_config
+
+    record_config(model)

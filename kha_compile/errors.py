@@ -8,7 +8,7 @@ __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
     "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
-    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError",
+    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError", "ShardedModelError",
     "RegistrationError", "AnalysisError",
 ]
 
@@ -121,3 +121,7 @@ class UnsupportedLayoutError(UnsupportedModelError):
 
 class RegistryError(KHAError, LookupError):
     """A rule or projection-handler name is not registered."""
+
+
+class ShardedModelError(KHAError):
+    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""
