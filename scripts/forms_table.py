@@ -51,8 +51,8 @@ FORMS = [
          r"tests/passes/test_trace_robustness.py::test_rotary_helpers", "-", "CPU and GPU"),
     Form("x-transformers `TransformerWrapper` (Encoder; Decoder with GQA and rotary)", "einsum_softmax",
          r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[x_transformers", "-", "CPU and GPU"),
-    Form("litgpt `GPT` (pythia; Llama-3 with GQA)", "sdpa",
-         r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[litgpt", "-", "CPU and GPU"),
+    Form("fair-esm ESM-2 (separate q/k/v, rotary, `bmm` + softmax, key padding mask)", "manual_softmax",
+         r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[esm2", "-", "CPU and GPU"),
 ]
 
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
