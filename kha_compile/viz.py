@@ -299,9 +299,10 @@ def load_loss_curves(directory: str | os.PathLike[str]) -> list[dict[str, Any]] 
 
 def plot_loss_curves(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
                      title: str | None = None) -> pathlib.Path:
-    """Training (per step, with a running mean) and validation loss of each run, side by side.
+    """Training (running mean over a tenth of the steps) and validation loss of each run, side by side.
 
-    ``runs`` as in ``loss_curves.json``: ``[{"name": ..., "train": [[step, loss], ...], "val": [...]}]``.
+    ``runs`` as in ``loss_curves.json``: ``[{"name": ..., "order_seed": ..., "train": [[step, loss], ...],
+    "val": [...]}]``. One colour per name, one line style per data order.
 
     Example::
 
@@ -309,17 +310,20 @@ def plot_loss_curves(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike[
     """
     fig = _figure((11.0, 4.0))
     ax_t, ax_v = fig.subplots(1, 2)
-    for k, run in enumerate(runs):
-        color = f"C{k}"
+    names = list(dict.fromkeys(str(run["name"]) for run in runs))
+    orders = list(dict.fromkeys(run.get("order_seed") for run in runs))
+    for run in runs:
+        color = f"C{names.index(str(run['name']))}"
+        style = ["-", "--", ":", "-."][orders.index(run.get("order_seed")) % 4]
+        label = run["name"] if len(orders) < 2 else f"{run['name']}, data order {run.get('order_seed')}"
         steps = [s for s, _ in run["train"]]
         loss = [v for _, v in run["train"]]
         w = max(1, len(loss) // 10)
         mean = [sum(loss[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(loss))]
-        ax_t.plot(steps, loss, color=color, alpha=0.25, lw=0.8)
-        ax_t.plot(steps, mean, color=color, label=f"{run['name']} (running mean of {w})")
-        ax_v.plot([s for s, _ in run["val"]], [v for _, v in run["val"]], color=color, marker="o",
-                  label=f"{run['name']}: {run['val'][-1][1]:.4f}")
-    ax_t.set_title("training loss per step", fontsize=10)
+        ax_t.plot(steps, mean, color=color, ls=style, label=label)
+        ax_v.plot([s for s, _ in run["val"]], [v for _, v in run["val"]], color=color, ls=style, marker="o",
+                  label=f"{label}: {run['val'][-1][1]:.4f}")
+    ax_t.set_title(f"training loss per step (running mean of {w} steps)" if runs else "training loss", fontsize=10)
     ax_v.set_title("validation loss", fontsize=10)
     for ax in (ax_t, ax_v):
         ax.set_xlabel("step")

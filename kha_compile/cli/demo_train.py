@@ -3,8 +3,8 @@
 The data are paragraphs of the docstrings of Python's own standard library (no download, nothing
 to ship). Each paragraph is cut in two halves; the objective is in-batch contrastive: the first
 half of paragraph i should embed closest to the second half of paragraph i among the batch's
-second halves (symmetric cross-entropy at temperature 0.05). Every fifth paragraph is held out
-for validation.
+second halves (symmetric cross-entropy at temperature 0.05). Halves are cut to 24 words, and
+to 32 tokens while training and validating. Every fifth paragraph is held out for validation.
 
 Runs are trained in turns, step by step: at step s every run takes one optimizer step on the
 batch that its data order gives for s. Runs that share a data order see the same batches.
@@ -103,16 +103,18 @@ class TrainSpec:
 
     ``lr`` is the Adam learning rate of the base parameters that both runs train (those whose name
     contains one of ``base_params``); ``kha_lr`` that of KHA's own parameters (only the KHA run has them).
+    Both rise linearly over the first ``warmup`` steps, in every run alike.
     """
 
     steps: int = 50
     batch_size: int = 16
-    lr: float = 3e-5
+    lr: float = 1e-4
     kha_lr: float = 3e-3
     temperature: float = 0.05
     val_pairs: int = 64
     val_batch: int = 32
     evals: int = 5
+    warmup: int = 10
     base_params: tuple[str, ...] = ("attention.self.", "attention.output.dense.")
 
     def eval_steps(self) -> list[int]:
@@ -133,6 +135,7 @@ class DemoRun:
     seconds: float = 0.0
     trained: int = 0
     optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     @property
     def val_loss(self) -> float:
@@ -207,7 +210,7 @@ def train_in_turns(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence
 
         train_in_turns([DemoRun("baseline", a, 0), DemoRun("KHA", b, 0)], train, val, TrainSpec(steps=3))
     """
-    st0 = runs[0].model
+    st0: Any = runs[0].model  # a SentenceTransformer
     saved_len = st0.max_seq_length
     st0.max_seq_length = _MAX_TOKENS  # the tokenizer of the first run serves every run
     try:
@@ -224,10 +227,12 @@ def _train(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence[Pair], 
                    for i in range(0, len(vp), spec.val_batch)]
     orders = {r.order_seed: _order(len(train), spec.steps, spec.batch_size, r.order_seed) for r in runs}
     evals = set(spec.eval_steps())
+    warm = max(1, min(spec.warmup, spec.steps))
     for r in runs:
         counts = set_trainable(r.model, spec)
         r.trained = counts["base"] + counts["kha"]
         r.optimizer = _optimizer(r.model, spec)
+        r.scheduler = torch.optim.lr_scheduler.LambdaLR(r.optimizer, lambda s: min(1.0, (s + 1) / warm))
         r.model.eval()  # no dropout: the data order is the only difference between runs of one kind
         r.train_curve.clear()
         r.val_curve.clear()
@@ -243,6 +248,8 @@ def _train(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence[Pair], 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if r.scheduler is not None:
+                r.scheduler.step()
             r.train_curve.append((step, loss.item()))
             if step in evals:
                 r.val_curve.append((step, evaluate(r.model, val_batches, spec.temperature)))
