@@ -48,13 +48,13 @@ def _hand_set_model():
         model.transformer.h[0].attn.c_attn.kha.v.weight.copy_(torch.eye(d))
         model.transformer.h[1].attn.c_attn.kha.q.weight.copy_(far)
         model.transformer.h[1].attn.c_attn.kha.v.weight.copy_(2.0 * torch.eye(d))
-    return model, near, far
+    return model
 
 
 def test_diagonal_summary_matches_a_computation_by_hand():
     from kha_compile.viz import diagonal_summary
 
-    model, near, far = _hand_set_model()
+    model = _hand_set_model()
     rows = {(r.layer, r.role): r for r in diagonal_summary(model)}
     assert sorted(rows) == [("h 0", "T^Q"), ("h 0", "T^V"), ("h 1", "T^Q"), ("h 1", "T^V")]
     # near: 16 diagonal entries 1.01, 240 off-diagonal entries 0.01
@@ -120,7 +120,7 @@ def test_pictures_are_written(tmp_path):
         plot_loss_curves,
     )
 
-    model, _, _ = _hand_set_model()
+    model = _hand_set_model()
     m = plot_kha(model, tmp_path / "m.png", with_delta=True)
     d = plot_diagonal(diagonal_summary(model), tmp_path / "d.png")
     runs = [{"name": "a", "train": [[1, 2.0], [2, 1.5]], "val": [[0, 2.1], [2, 1.7]]},

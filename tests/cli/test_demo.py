@@ -7,8 +7,8 @@ import json
 import math
 
 import pytest
-
 from cli_cases import run
+
 from kha_compile.cli import main
 
 
