@@ -22,6 +22,7 @@ import importlib
 import inspect
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,11 +65,16 @@ def _paragraphs() -> list[str]:
             mod = importlib.import_module(name)
         except ImportError:  # a Python built without e.g. ssl or sqlite3
             continue
-        objs: list[Any] = [mod] + [v for k, v in sorted(vars(mod).items())
-                                   if not k.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
-                                   and getattr(v, "__module__", None) == mod.__name__]
+        with warnings.catch_warnings():  # typing.io and typing.re warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            objs: list[Any] = [mod] + [v for k, v in sorted(vars(mod).items())
+                                       if not k.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
+                                       and getattr(v, "__module__", None) == mod.__name__]
         for obj in objs:
-            for para in re.split(r"\n\s*\n", inspect.getdoc(obj) or ""):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(obj) or ""
+            for para in re.split(r"\n\s*\n", doc):
                 text = " ".join(para.split())
                 if (len(text.split()) >= _MIN_WORDS and not text.startswith((">>>", "-", "*"))
                         and sum(c.isalpha() for c in text) > 0.7 * len(text) and text not in seen):
