@@ -5,16 +5,18 @@ import dataclasses
 from typing import Any, Optional
 
 from .errors import KHAConfigError
+from .kinds import ROLES, Role, TransformName
+from .transforms import get_transform, transform_kinds
 
-__all__ = ["KHAConfig", "CONFIG_VERSION"]
+__all__ = ["KHAConfig", "CONFIG_VERSION", "allowed_kinds"]
 
 CONFIG_VERSION = 1
 
-_ALLOWED = {
-    "q": (None, "linear"),
-    "k": (None, "linear"),
-    "v": (None, "linear", "mlp"),
-}
+
+
+def allowed_kinds(role: Role) -> tuple[Optional[str], ...]:
+    """The values ``KHAConfig.<role>`` accepts: ``None`` and every registered kind allowed on ``role``."""
+    return (None, *(name for name, kind in transform_kinds().items() if role in kind.roles))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +32,13 @@ class KHAConfig:
         cfg = KHAConfig()                                       # v="mlp"
     """
 
-    q: Optional[str] = None
-    k: Optional[str] = None
-    v: Optional[str] = "mlp"
+    q: Optional[TransformName] = None
+    k: Optional[TransformName] = None
+    v: Optional[TransformName] = "mlp"
 
     def __post_init__(self) -> None:
-        for role, allowed in _ALLOWED.items():
+        for role in ROLES:
+            allowed = allowed_kinds(role)
             value = getattr(self, role)
             if value not in allowed:
                 shown = ", ".join(repr(a) for a in allowed)
@@ -48,14 +51,14 @@ class KHAConfig:
                 "q='linear', k='linear', v='linear' or v='mlp'."
             )
 
-    def roles(self) -> dict[str, str]:
+    def roles(self) -> dict[Role, str]:
         """The roles that get a transform, mapped to its kind."""
-        return {r: getattr(self, r) for r in ("q", "k", "v") if getattr(self, r) is not None}
+        return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
 
     @property
     def foldable(self) -> bool:
-        """True when every transform is linear, so fold() can remove all of them."""
-        return self.v != "mlp"
+        """True when every transform folds (is linear), so fold() can remove all of them."""
+        return all(get_transform(k).foldable for k in self.roles().values())
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": CONFIG_VERSION, "q": self.q, "k": self.k, "v": self.v}

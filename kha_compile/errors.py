@@ -8,6 +8,8 @@ __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
     "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
+    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError", "ShardedModelError",
+    "RegistrationError", "AnalysisError",
 ]
 
 
@@ -59,6 +61,14 @@ class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
 
 
+class RegistrationError(KHAError, ValueError):
+    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
+
+
+class AnalysisError(KHAError):
+    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
+
+
 class KernelCompileError(KHAError, ValueError):
     """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
 
@@ -95,3 +105,23 @@ class CommandError(KHAError, ValueError):
 
 class NoKHATransformsError(KHAError):
     """The model carries no KHA transforms where the operation needs some."""
+
+
+class UnknownTransformError(KHAConfigError):
+    """A transform kind name is not registered (kha_compile.transforms)."""
+
+
+class UnsupportedModelError(KHAError):
+    """The model has a construct kha_compile cannot put KHA into (the message names it)."""
+
+
+class UnsupportedLayoutError(UnsupportedModelError):
+    """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
+
+
+class RegistryError(KHAError, LookupError):
+    """A rule or projection-handler name is not registered."""
+
+
+class ShardedModelError(KHAError):
+    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""

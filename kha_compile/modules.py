@@ -15,98 +15,27 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .errors import KHAError
+from .errors import UnsupportedLayoutError, UnsupportedModelError
+from .kinds import Role
+from .transforms import get_transform
+from .transforms.linear import KHALinearTransform
+from .transforms.mlp import KHAMLPValue
 
 __all__ = [
     "KHALinearTransform", "KHAMLPValue", "KHATransforms", "HeadSlot", "KHAProjection", "attach", "detach",
-    "is_kha_projection", "kha_class_for", "make_transform",
+    "is_kha_projection", "kha_class_for", "make_transform", "carries_kha", "transforms_of", "attach_mha", "detach_mha",
+    "KHAMultiheadAttention",
 ]
-
-
-class KHALinearTransform(nn.Module):
-    """KHA-Linear: ``x @ T`` over the head dimension, T shared by every head of its role.
-
-    Identity at init, so the model's outputs do not change.
-
-    Example::
-
-        t = KHALinearTransform(64)
-        y = t(x)            # x: (..., 64)
-    """
-
-    kind = "linear"
-
-    def __init__(self, head_dim: int, *, dtype=None, device=None) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.weight = nn.Parameter(torch.empty(head_dim, head_dim, dtype=dtype, device=device))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight.is_meta:
-            return
-        with torch.no_grad():
-            self.weight.copy_(torch.eye(self.head_dim, dtype=self.weight.dtype, device=self.weight.device))
-
-    def forward(self, x: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
-        return x @ self.weight
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}"
-
-
-class KHAMLPValue(nn.Module):
-    """KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one fused op.
-
-    W_up = W_down = I and W_gate = 0 at init, so ``2 * sigmoid(0) = 1`` and the output is v exactly.
-
-    Example::
-
-        t = KHAMLPValue(64)
-        y = t(v)            # v: (..., 64), runs torch.ops.kha.mlp_value
-    """
-
-    kind = "mlp"
-
-    def __init__(self, head_dim: int, *, dtype=None, device=None) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        kw = dict(dtype=dtype, device=device)
-        self.up = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
-        self.gate = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
-        self.down = nn.Parameter(torch.empty(head_dim, head_dim, **kw))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.up.is_meta:
-            return
-        with torch.no_grad():
-            eye = torch.eye(self.head_dim, dtype=self.up.dtype, device=self.up.device)
-            self.up.copy_(eye)
-            self.gate.zero_()
-            self.down.copy_(eye)
-
-    def forward(self, v: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
-        return torch.ops.kha.mlp_value(v, self.up, self.gate, self.down)
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}"
-
-
-_TRANSFORMS = {"linear": KHALinearTransform, "mlp": KHAMLPValue}
 
 
 class KHATransforms(nn.ModuleDict):
     """The ``kha`` child of a KHA projection: one shared transform per role ("q", "k", "v")."""
 
 
-def make_transform(kind: str, head_dim: int, *, dtype=None, device=None) -> nn.Module:
-    """Build the transform of ``kind`` ("linear" | "mlp") in the given dtype and device."""
-    try:
-        cls = _TRANSFORMS[kind]
-    except KeyError:
-        raise KHAError(f"unknown KHA transform kind {kind!r}; use 'linear' or 'mlp'.") from None
-    return cls(head_dim, dtype=dtype, device=device)
+def make_transform(kind: str, head_dim: int, *, dtype: Optional[torch.dtype] = None,
+                   device: Optional[torch.device] = None) -> nn.Module:
+    """Build the transform of registered ``kind`` ("linear" | "mlp" | ...) at identity, in the given dtype and device."""
+    return get_transform(kind).create(head_dim, dtype=dtype, device=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +47,7 @@ class HeadSlot:
     all of this form.
     """
 
-    role: str  # "q" | "k" | "v"
+    role: Role
     offset: int
     num_heads: int
     head_dim: int
@@ -148,7 +77,7 @@ def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
         stride = strides.pop()
         if stride * heads.pop() == out_features and all(s.offset + s.head_dim <= stride for s in slots):
             return "interleaved", stride
-    raise KHAError(
+    raise UnsupportedLayoutError(
         f"head layout {[s.to_dict() for s in slots]} over {out_features} features is neither "
         "separate/fused blocks nor an interleaved [H, roles, Dh] layout; kha_compile cannot "
         "insert transforms into this projection."
@@ -249,6 +178,17 @@ def is_kha_projection(module: nn.Module) -> bool:
     return isinstance(module, KHAProjection)
 
 
+def carries_kha(module: nn.Module) -> bool:
+    """True when ``module`` holds KHA transforms (a ``kha`` child), whichever handler attached them."""
+    return isinstance(module._modules.get("kha"), KHATransforms)
+
+
+def transforms_of(module: nn.Module) -> KHATransforms:
+    """The ``kha`` child of a module that carries KHA (an empty one for a module that does not)."""
+    kha = module._modules.get("kha")
+    return kha if isinstance(kha, KHATransforms) else KHATransforms()
+
+
 def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str], out_features: int) -> nn.Module:
     """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device."""
     ref = next(iter(module.parameters(recurse=False)), None)
@@ -271,7 +211,7 @@ def detach(module: nn.Module) -> nn.Module:
     if not isinstance(module, KHAProjection):
         return module
     del module.kha
-    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout"):
+    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler"):
         module.__dict__.pop(attr, None)
     module.__class__ = type(module)._kha_base_class
     return module
@@ -385,7 +325,7 @@ def _no_fast_path_hook(module, args, output):
 def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.MultiheadAttention:
     """Give an ``nn.MultiheadAttention`` its KHA transforms in place."""
     if module.bias_k is not None or module.add_zero_attn:
-        raise KHAError("nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile.")
+        raise UnsupportedModelError("nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile.")
     ref = module.out_proj.weight
     transforms = KHATransforms({r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device)
                                 for r, k in kinds.items()})
@@ -400,6 +340,7 @@ def detach_mha(module: nn.Module) -> nn.Module:
         module._kha_hook.remove()
         del module._kha_hook
         del module.kha
+        module.__dict__.pop("_kha_handler", None)
         module.__class__ = nn.MultiheadAttention
     return module
 

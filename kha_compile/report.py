@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .kinds import SiteKind, SiteStatus
+
 __all__ = ["AttentionSite", "Report"]
 
 
@@ -12,9 +14,9 @@ class AttentionSite:
     """One attention op in the model, matched (with its projections) or skipped (with a reason)."""
 
     name: str
-    status: str  # "matched" | "skipped"
+    status: SiteStatus
     reason: str = ""
-    kind: Optional[str] = None  # "mha" | "gqa" | "mqa" | "mla" | "cross"
+    kind: Optional[SiteKind] = None
     num_heads: Optional[int] = None
     num_kv_heads: Optional[int] = None
     head_dim: Optional[int] = None

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from .errors import MissingDependencyError, NoKHATransformsError
-from .modules import KHAMultiheadAttention
+from .modules import transforms_of
+from .passes.handlers import handler_of
 from .passes.insert import kha_modules
+from .transforms import kind_of
 
 __all__ = [
     "COLUMN_ORDER",
@@ -51,15 +53,11 @@ def kha_matrices(model: nn.Module) -> list[tuple[str, dict[str, torch.Tensor]]]:
     """
     sites: dict[str, dict[str, torch.Tensor]] = {}
     for name, m in kha_modules(model):
-        site = name if isinstance(m, KHAMultiheadAttention) else (name.rpartition(".")[0] or name)
+        site = name if handler_of(m).param_space else (name.rpartition(".")[0] or name)  # MHA: the module is the site
         mats = sites.setdefault(site, {})
-        transforms: Any = m.kha  # KHATransforms: role -> transform module
-        for role, t in transforms.items():
-            if t.kind == "mlp":
-                for part in ("up", "gate", "down"):
-                    mats[f"{role.upper()} {part}"] = getattr(t, part).detach()
-            else:
-                mats[f"T^{role.upper()}"] = t.weight.detach()
+        for role, t in transforms_of(m).items():
+            for part, mat in kind_of(t).matrices(t).items():  # linear: {"T"}; mlp: {"up", "gate", "down"}
+                mats[f"T^{role.upper()}" if part == "T" else f"{role.upper()} {part}"] = mat
     return list(sites.items())
 
 

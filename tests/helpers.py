@@ -30,11 +30,15 @@ def kha_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def perturb(model: nn.Module, seed: int = 1, scale: float = 0.1) -> None:
-    """Move every KHA weight off its identity init, as training would."""
+    """Move every KHA weight off its identity init, as training would; fails when there is none to move."""
+    params = kha_params(model)
+    assert params, f"{type(model).__name__} has no KHA parameters to perturb"
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in kha_params(model).values():
+        for name, p in params.items():
+            before = p.detach().clone()
             p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+            assert p.is_meta or not torch.equal(p, before), f"perturbing {name} changed nothing"
 
 
 def run_python(script: str, expect: str, timeout: int = 300) -> None:

@@ -1,6 +1,7 @@
 """apply / inspect / save / load on the zoo of tiny models: matched, identity at init, wired, trainable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -77,6 +78,8 @@ def test_identity_in_bfloat16(name, cfg_name):
     params = kha_params(case.model)
     assert params and all(p.dtype == torch.bfloat16 for p in params.values())
     assert torch.equal(run(case), ref)
+    perturb(case.model, scale=0.3)  # KHA is on the bf16 path too
+    assert not torch.allclose(run(case).float(), ref.float(), atol=1e-2)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox", "t5"])
@@ -85,9 +88,14 @@ def test_generate_with_kv_cache_gives_the_original_tokens(name):
     ids = case.kwargs["input_ids"][:1, :4]  # t5: the encoder input; the decoder generates
     gen = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     ref = case.model.generate(ids, **gen)
+    with torch.no_grad():
+        logits = run(case)
     kc.apply(case.model, kc.KHAConfig(v="mlp"))
     out = case.model.generate(ids, **gen)
     assert torch.equal(out, ref)
+    perturb(case.model)  # the transforms are on the path generate runs
+    with torch.no_grad():
+        assert not torch.allclose(run(case), logits, atol=1e-5)
 
 
 def test_inspect_before_apply_reports_sites_without_transforms_and_a_table():
@@ -214,7 +222,7 @@ def test_invalid_config_lists_the_allowed_values(field, value):
 
 def test_config_is_frozen_and_round_trips():
     cfg = kc.KHAConfig(q="linear")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.q = None
     assert kc.KHAConfig.from_dict(cfg.to_dict()) == cfg
     assert kc.KHAConfig() == kc.KHAConfig(q=None, k=None, v="mlp")
@@ -242,13 +250,21 @@ def test_non_transformers_model_without_inputs_says_to_pass_them():
         kc.apply(zoo.make("nanogpt").model)
 
 
-def test_remove_restores_the_original_classes_and_keys():
-    case = zoo.make("gpt_neox")
+@pytest.mark.parametrize("name", ["gpt_neox", "gpt2", "torch_encoder"])  # Linear, Conv1D, nn.MultiheadAttention
+def test_remove_restores_the_original_classes_keys_and_outputs(name):
+    case = zoo.make(name)
+    with torch.no_grad():
+        ref = run(case)
     keys = list(case.model.state_dict())
     classes = [type(m) for m in case.model.modules()]
-    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="mlp"), *case.example)
+    perturb(case.model)
+    with torch.no_grad():
+        assert not torch.allclose(run(case), ref, atol=1e-5)
     kc.remove(case.model)
     assert list(case.model.state_dict()) == keys and [type(m) for m in case.model.modules()] == classes
+    with torch.no_grad():
+        assert torch.equal(run(case), ref)
 
 
 def test_transformer_decoder_layers_get_self_and_cross_sites():
@@ -317,6 +333,40 @@ def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
     run_python(script, "OK KHAConv1D")
 
 
+class HalfSupported(nn.Module):
+    """One attention KHA can take and one it must skip (nn.MultiheadAttention with add_bias_kv: the
+    learned bias row concatenated to k and v breaks the head split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ok = zoo.Block(32, 4)
+        self.odd = nn.MultiheadAttention(32, 4, add_bias_kv=True, batch_first=True)
+
+    def forward(self, x):
+        x = self.ok(x)
+        return x + self.odd(x, x, x, need_weights=False)[0]
+
+
+def test_strict_apply_with_some_sites_skipped_inserts_the_rest_and_logs_each_skip(caplog):
+    torch.manual_seed(0)
+    model = HalfSupported().eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        ref = model(x)
+    with caplog.at_level("WARNING", logger="kha_compile.api"):
+        kc.apply(model, kc.KHAConfig(v="linear"), example_args=(x,), strict=True)
+    report = kc.inspect(model, example_args=(x,))
+    assert [s.name for s in report.matched] == ["ok.attn"], str(report)
+    (skipped,) = report.skipped
+    assert skipped.name == "odd" and "k: no head split found" in skipped.reason, skipped.reason
+    assert any(r.message.startswith("KHA skipped odd: k: no head split") for r in caplog.records)
+    assert set(kha_params(model)) == {"ok.attn.c_attn.kha.v.weight"}
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+        perturb(model)
+        assert not torch.allclose(model(x), ref, atol=1e-5)
+
+
 class DepthAwareStack(nn.Module):
     """Code that depends on its own depth: cutting the repeated blocks down to one breaks it."""
 
@@ -339,3 +389,5 @@ def test_model_whose_code_needs_every_block_is_traced_whole():
     kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x,))
     assert len(kc.inspect(model, example_args=(x,)).matched) == 3
     assert torch.equal(model(x), ref)
+    perturb(model)
+    assert not torch.allclose(model(x), ref, atol=1e-5)

@@ -29,6 +29,9 @@ CASES = {
 }
 
 
+HEADS = {"swin": [2, 4]}  # query heads per site, in site order, where they differ from BASE's 4
+
+
 def _out(o):
     return o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state
 
@@ -46,6 +49,8 @@ def test_unnamed_architecture_is_matched_identity_and_wired(name):
     for s in report.matched:
         got[s.kind] = got.get(s.kind, 0) + 1
     assert got == kinds and not report.skipped, str(report)
+    heads = [s.num_heads for s in report.matched]
+    assert heads == HEADS.get(name, [4] * len(heads)), str(report)
     assert torch.equal(_out(model(*args, **kwargs)), ref)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -73,7 +73,7 @@ class DeployPlan:
         if not report.matched:
             raise NoAttentionFoundError(f"deploy: kha_compile found no attention site in {name} to put the "
                                         f"checkpoint {self.directory!r} into.")
-        unsupported = [p.module_path for p in plan if p.handler != "projection"]
+        unsupported = [p.module_path for p in plan if p.handler not in ("linear", "conv1d")]  # module-call projections
         if unsupported:
             raise DeployError(f"deploy mode inserts transforms after projection modules only; {unsupported[:3]} "
                               "are nn.MultiheadAttention in-projections. Use kc.load_pretrained(model, ckpt) and "

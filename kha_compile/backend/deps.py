@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..modules import HeadSlot, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention, KHAProjection
 from ..modules import KHATransforms, make_transform
 from ..passes.fold import fold_rows
+from ..transforms import transform_kinds
 
 __all__ = [
     "HeadSlot", "KHALinearTransform", "KHAMLPValue", "KHAMultiheadAttention", "KHAProjection", "KHATransforms",
@@ -15,7 +16,7 @@ __all__ = [
 ]
 
 # the tensors of each transform kind, in the order the transform takes them (checkpoint keys ``kha.<role>.<name>``)
-TRANSFORM_PARAMS: dict[str, tuple[str, ...]] = {"linear": ("weight",), "mlp": ("up", "gate", "down")}
+TRANSFORM_PARAMS: dict[str, tuple[str, ...]] = {n: k.param_names for n, k in transform_kinds().items()}
 
 # classes whose presence in a node's module stack means the graph carries KHA
 KHA_CLASSES: tuple[type, ...] = (KHAProjection, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention)

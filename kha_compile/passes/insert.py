@@ -2,36 +2,35 @@
 
 A plan entry says: this module (a projection such as ``nn.Linear`` or ``Conv1D``, or an
 ``nn.MultiheadAttention`` whose projections are parameters) gets these transforms on these
-head slots. Handlers are chosen by what owns the projection weight.
+head slots. The projection handler (:mod:`.handlers`, first that accepts wins) is chosen by
+what owns the projection weight, and does the attaching.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from torch import nn
 
 from ..config import KHAConfig
-from ..errors import KHAError
-from ..modules import HeadSlot, attach, attach_mha, is_kha_projection, KHAMultiheadAttention
+from ..kinds import Role, SiteKind
+from ..modules import HeadSlot, carries_kha, transforms_of
+from ..transforms import kind_of
 from ..report import AttentionSite
+from .handlers import PlanEntry, ProjectionHandler, choose_handler, get_handler
 from .layout import slot_from_map
 from .match import RawSite, RoleMatch
 from .trace import Capture
 
-__all__ = ["PlanEntry", "build_sites", "insert", "kha_modules"]
+__all__ = ["PlanEntry", "build_sites", "insert", "kha_modules", "MLA_NOTE"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass
-class PlanEntry:
-    module_path: str
-    handler: str  # "projection" | "mha"
-    slots: list[HeadSlot]
-    kinds: dict[str, str]  # role -> transform kind
-    out_features: int
+MLA_NOTE = ("MLA: linear KHA only (MLP-value would break weight absorption, as in the paper); T^Q acts on the "
+            "whole query head (no-RoPE and RoPE parts, folded into the query projection), T^K on the per-head "
+            "no-RoPE key part only (folded into kv_b_proj): the decoupled RoPE key is one piece shared by all "
+            "heads, and mixing it per head would make it per-head and break the shared cache")
 
 
 def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
@@ -42,23 +41,7 @@ def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
     if affine is None:
         return None
     offset, stride = affine
-    return HeadSlot(role, offset, hm.num_heads, hm.head_dim, stride)
-
-
-def _handler(model: nn.Module, m: RoleMatch) -> tuple[str, str]:
-    """(handler name, reason when none fits) for the module owning a role's projection."""
-    try:
-        owner = model.get_submodule(m.projection.module_path)
-    except AttributeError:
-        return "", f"{m.role}: projection owner {m.projection.module_path!r} is not a submodule"
-    if isinstance(owner, nn.MultiheadAttention):
-        if owner.bias_k is not None or owner.add_zero_attn:
-            return "", "nn.MultiheadAttention with add_bias_kv/add_zero_attn is not supported"
-        return "mha", ""
-    if m.projection.is_module_call:
-        return "projection", ""
-    return "", (f"{m.role}: weight {m.projection.param} is used functionally inside "
-                f"{type(owner).__name__} ({m.projection.module_path}); no insertion handler for it")
+    return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
 
 def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: Optional[KHAConfig]
@@ -73,22 +56,25 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 sites.append(AttentionSite(name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor))
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
-        kind = "mla" if raw.mla else "cross" if raw.cross else (
+        kind: SiteKind = "mla" if raw.mla else "cross" if raw.cross else (
             "mha" if k.head_map.num_heads == q.head_map.num_heads else
             "mqa" if k.head_map.num_heads == 1 else "gqa")
-        handlers = {r: _handler(model, raw.roles[r]) for r in "qkv"}
-        bad = [why for h, why in handlers.values() if not h]
-        kinds = cfg.roles() if cfg is not None else {}
-        note = "MLA: linear KHA only; MLP-value would break weight absorption (as in the paper)" if kind == "mla" else ""
+        handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
+        bad = [why for h, why in handlers.values() if h is None]
+        kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
+        note = MLA_NOTE if kind == "mla" else ""
         if kind == "mla" and kinds.get("v") == "mlp":
             kinds["v"] = "linear"
-        slots = {}
+        slots: dict[str, HeadSlot] = {}
         for r in kinds:
-            param_space = handlers[r][0] == "mha"
-            s = _slot(r, raw.roles[r], param_space)
+            handler = handlers[r][0]
+            if handler is not None and handler.plans_roles:
+                continue  # positions live in the handler's own plan (plan_role below)
+            s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
             if s is None:
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
-            slots[r] = s
+            else:
+                slots[r] = s
         for name, rename in copies:
             if bad:
                 sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor))
@@ -99,12 +85,19 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 head_dim=q.head_map.head_dim, v_head_dim=v.head_map.head_dim,
                 q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
                 qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
-            _current_transforms(model, site, paths, handlers)
+            _current_transforms(model, site, paths)
+            notes = [h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
+                     for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()]
+            site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
                 path = paths[r]
-                entry = plan.setdefault(path, PlanEntry(path, handlers[r][0], [], {},
+                entry = plan.setdefault(path, PlanEntry(path, _name(handlers[r][0]), [], {},
                                                         int(raw.roles[r].projection.feature_map.numel())))
+                handler = handlers[r][0]
+                if handler is not None and handler.plans_roles:
+                    handler.plan_role(entry, r, raw.roles[r], tk)
+                    continue
                 if any(s.role == r for s in entry.slots):
                     continue
                 entry.slots.append(slots[r])
@@ -119,7 +112,7 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
         return [(raw.name, lambda p: p)]
     list_path, pos = group
     traced_prefix = f"{list_path}.{pos}."
-    out = []
+    out: list[tuple[str, Callable[[str], str]]] = []
     for orig in cap.groups[list_path][pos]:
         real_prefix = f"{list_path}.{orig}."
         rename = (lambda p, a=traced_prefix, b=real_prefix: b + p[len(a):] if p.startswith(a) else p)
@@ -127,16 +120,22 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
     return out
 
 
-def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str], handlers) -> None:
+def _name(handler: Optional[ProjectionHandler]) -> str:
+    if handler is None:  # pragma: no cover - build_sites never plans a role without a handler
+        raise AssertionError("planned a role without a projection handler")
+    return handler.name
+
+
+def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
     """Fill ``site.transforms`` with what the model carries now (after apply)."""
     for r in "qkv":
         try:
             mod = model.get_submodule(paths[r])
         except AttributeError:
             continue
-        kha = getattr(mod, "kha", None) if (is_kha_projection(mod) or isinstance(mod, KHAMultiheadAttention)) else None
-        if kha is not None and r in kha:
-            site.transforms[r] = type(kha[r]).kind
+        kha = transforms_of(mod)
+        if r in kha:
+            site.transforms[r] = kind_of(kha[r]).name
 
 
 def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
@@ -144,16 +143,11 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
     count = 0
     for entry in plan:
         module = model.get_submodule(entry.module_path)
-        if entry.handler == "mha":
-            attach_mha(module, entry.kinds)
-        elif entry.handler == "projection":
-            attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
-        else:  # pragma: no cover - build_sites never plans without a handler
-            raise KHAError(f"no insertion handler for {entry.module_path}")
+        get_handler(entry.handler).attach(module, entry)
         count += len(entry.kinds)
     return count
 
 
 def kha_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module in ``model`` that currently carries KHA transforms."""
-    return [(n, m) for n, m in model.named_modules() if is_kha_projection(m) or isinstance(m, KHAMultiheadAttention)]
+    return [(n, m) for n, m in model.named_modules() if carries_kha(m)]

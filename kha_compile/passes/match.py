@@ -2,9 +2,8 @@
 
 Rules, each with a reason when it declines:
 
-* ``sdpa`` anchors on ``aten.scaled_dot_product_attention`` (and its fused variants);
-* ``manual_softmax`` anchors on ``softmax(q @ k^T ...) @ v`` (matmul, bmm or baddbmm scores;
-  masks, ALiBi biases, scaling and logit soft-capping between the scores and the softmax);
+* attention rules (:mod:`.rules`: ``sdpa``, ``manual_softmax``, ...) anchor on attention ops and
+  name the nodes that carry q, k and v (:class:`.rules.Anchor`);
 * for each of q, k, v the walk goes back to the projection that produced it (a linear, addmm or
   matmul against a parameter), through layout ops and through whatever the insertion point must
   precede (rotary embeddings, QK-norm, scaling, repeat_kv); :mod:`.layout` reads the head map.
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 from collections import deque
 from typing import Any, Optional
@@ -21,25 +21,20 @@ import torch
 from torch.fx import Node
 
 from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map, shape_of
+from .rules import Anchor, attention_rules
+from .rules.manual_softmax import SOFTMAX_OPS
+from .rules.sdpa import SDPA_OPS
+from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
 
-__all__ = ["Projection", "RoleMatch", "RawSite", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
+__all__ = ["Projection", "RoleMatch", "RawSite", "MatchGraph", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-SDPA_OPS = {
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-}
-SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-_SCORE_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
-_PROJ_OPS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default}
+_PROJ_OPS = PROJ_TARGETS  # linear, addmm, mm, matmul, einsum, tensordot
 _NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
              aten.native_layer_norm.default, aten.var_mean.correction}
-_TRIG_OPS = {aten.cos.default, aten.sin.default}
+_TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 _COPY_OPS = {aten.copy_.default, aten.copy.default}
 _ALLOC_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.empty_like.default,
               aten.zeros_like.default, aten.ones_like.default, aten.new_full.default, aten.full_like.default}
@@ -52,10 +47,20 @@ class Projection:
 
     node: Node
     param: str  # qualified name of the weight (traced paths)
-    module_path: str  # the module owning the weight
+    module_path: str  # the module owning the weight; for a weight used functionally, the module calling it
     is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
     feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
     input_node: Node
+    out_index: Optional[torch.Tensor] = None  # the op output's shape: feature number of each element
+    pieces: list[ParamPiece] = dataclasses.field(default_factory=list)  # weight, then bias pieces
+    pieces_reason: str = ""  # why the bias could not be read as parameter pieces
+    occurrence: int = 0  # earlier projection calls on the same weight in the calling module's forward
+
+    @property
+    def features_last(self) -> bool:
+        """True when features lie on the output's last axis only, in order (an nn.Linear output)."""
+        idx = self.out_index
+        return idx is None or bool(torch.equal(idx, torch.arange(idx.shape[-1]).expand(idx.shape)))
 
 
 @dataclasses.dataclass
@@ -71,7 +76,7 @@ class RoleMatch:
 @dataclasses.dataclass
 class RawSite:
     name: str  # traced module path of the attention
-    anchor: str  # "sdpa" | "manual_softmax"
+    anchor: str  # the rule's name: "sdpa" | "manual_softmax" | ...
     node: Node
     roles: dict[str, RoleMatch]
     reason: str = ""  # why it was skipped, when roles is incomplete
@@ -94,7 +99,7 @@ def _tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor) or n.op == "call_function"]
 
 
-class _Graph:
+class MatchGraph:
     """Lookups over one exported program that every rule shares."""
 
     def __init__(self, exported) -> None:
@@ -178,22 +183,50 @@ class _Graph:
         return None
 
     def as_projection(self, node: Node) -> Optional[Projection]:
-        if node.op != "call_function" or node.target not in _PROJ_OPS:
-            return None
-        if node.target is aten.linear.default:
-            x, w, out_axis = node.args[0], node.args[1], 0
-        elif node.target is aten.addmm.default:
-            x, w, out_axis = node.args[1], node.args[2], 1
+        """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
+        for x, w, axes, out_index in projection_info(node):
+            piece = weight_source(w, axes, self.params, self.constants)
+            if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
+                break
         else:
-            x, w, out_axis = node.args[0], node.args[1], 1
-        if not isinstance(w, Node) or not isinstance(x, Node):
             return None
-        src = self.param_source(w, out_axis)
-        if src is None:
-            return None
-        name, fmap = src
-        module_path = name.rpartition(".")[0]
-        return Projection(node, name, module_path, self.is_module_output(node, module_path), fmap, x)
+        module_path = piece.name.rpartition(".")[0]
+        is_call = self.is_module_output(node, module_path)
+        if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
+            module_path = _module_path(node)
+        proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
+        bias = node.args[2] if node.target is aten.linear.default and len(node.args) > 2 else \
+            node.args[0] if node.target is aten.addmm.default else None
+        after = post_bias(node) if bias is None else None
+        if after is not None and self.is_param(after):
+            bias = after
+        if isinstance(bias, Node):
+            pieces, why = bias_pieces(bias, out_index, int(piece.feature_map.numel()), self.params, self.buffers)
+            proj.pieces.extend(pieces)
+            proj.pieces_reason = why
+        if not proj.is_module_call:
+            proj.occurrence = self._occurrence(node, root_param(w, self.params))
+        return proj
+
+    def _occurrence(self, node: Node, weight: Optional[Node]) -> int:
+        """How many projection calls on ``weight`` run before ``node`` in its module call."""
+        stack = node.meta.get("nn_module_stack") or {}
+        scope = self.scope.get(list(stack)[-1], []) if stack else list(self.graph.nodes)
+        return sum(1 for n in scope if n.target in _PROJ_OPS and self.order[n] < self.order[node]
+                   and any(root_param(a, self.params) is weight for a in n.all_input_nodes))
+
+    def is_param(self, node: Any) -> bool:
+        """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and not (n.name in self.params or n.name in self.buffers or n.name in self.constants):
+                return False  # an activation (a user input) feeds it
+            stack.extend(n.all_input_nodes)
+        return True
 
     def is_module_output(self, node: Node, module_path: str) -> bool:
         """True when the module at ``module_path`` only computes ``node`` and post-processes it.
@@ -206,6 +239,8 @@ class _Graph:
         if not module_path or not stack or _module_path(node) != module_path:
             return False
         own = {node}
+        if any(n.target in SDPA_OPS or n.target in SOFTMAX_OPS for n in self.scope.get(list(stack)[-1], ())):
+            return False  # the attention itself owns the weight: used functionally, not a projection module
         for n in self.scope.get(list(stack)[-1], ()):  # this call of the module (shared layers run it often)
             if self.order[n] <= self.order[node]:
                 if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \
@@ -305,7 +340,7 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
     return False
 
 
-def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
+def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
     """Push the projection's feature index to ``target`` and read the head map at the head split."""
     path = g.path_nodes(proj.node, target)
     if not path:
@@ -314,7 +349,7 @@ def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Proje
     shape = shape_of(proj.node)
     if shape is None:
         return None, f"{role}: {proj.node.name} has a symbolic shape"
-    idx = torch.arange(shape[-1]).expand(shape)
+    idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
     # expected head dim at each chain node: the anchor's, or a piece of it before a last-axis cat
     expect = [expect_dim] * len(chain)
     shared = False
@@ -332,9 +367,14 @@ def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Proje
             expect[i] = expect[i + 1]
     found: Optional[HeadMap] = None
     stop = ""
+    path_set = set(path)
     for i, node in enumerate(chain):
         if i > 0:
             prev = chain[i - 1]
+            if isinstance(idx, tuple):  # a tuple op (split, unbind) whose one used element is not on the chain
+                gets = [u for u in prev.users if u.target is operator.getitem and u in path_set]
+                if len(gets) == 1 and isinstance(gets[0].args[1], int):
+                    idx, prev = idx[gets[0].args[1]], gets[0]
             direct = bool(node.args) and node.args[0] is prev and node.target not in _ALLOC_OPS
             try:
                 if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
@@ -357,8 +397,8 @@ def _role_match(g: _Graph, role: str, target: Node, expect_dim: int, proj: Proje
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
         return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (f" ({stop})" if stop else "")
-    path_set = set(path)
-    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set)
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) \
+        or any(n.target is aten.view_as_complex.default for n in path)
     qk_norm = any(n.target in _NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
 
@@ -370,7 +410,7 @@ def _strip_identity(node: Node) -> Node:
     return node
 
 
-def _latent_input(g: _Graph, proj: Projection, scope: str, depth: int = 16) -> bool:
+def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
     """True when the projection reads a low-rank latent: another projection of the same attention
     module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
     frontier = [proj.input_node]
@@ -393,76 +433,30 @@ def _latent_input(g: _Graph, proj: Projection, scope: str, depth: int = 16) -> b
     return False
 
 
-def _anchors(g: _Graph) -> list[tuple[Node, str, dict[str, Node], dict[str, int], str]]:
-    """(node, rule, role->node, role->expected head dim, reason) for each attention op."""
+def _anchors(g: MatchGraph) -> list[Anchor]:
+    """The anchor of each attention op: the first registered rule that recognises it."""
+    rules = attention_rules()
     out = []
     for node in g.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in SDPA_OPS:
-            q, k, v = node.args[:3]
-            dims = {r: (shape_of(n) or (0,))[-1] for r, n in zip("qkv", (q, k, v))}
-            out.append((node, "sdpa", {"q": q, "k": k, "v": v}, dims, ""))
-        elif node.target in SOFTMAX_OPS:
-            found = _manual(g, node)
-            if found is not None:
-                out.append(found)
+        for rule in rules:
+            anchor = rule.match(g, node)
+            if anchor is not None:
+                out.append(anchor)
+                break
     return out
 
 
-def _manual(g: _Graph, softmax: Node):
-    """softmax(q @ k^T ...) @ v: find the score op behind and the value op after a softmax."""
-    score = None
-    frontier = [softmax.args[0]]
-    for _ in range(10):  # masks, biases, scaling, soft-capping, casts
-        nxt = []
-        for n in frontier:
-            if not isinstance(n, Node) or n.op != "call_function":
-                continue
-            if n.target in _SCORE_OPS and not any(isinstance(a, Node) and a.name in g.params for a in n.args):
-                score = n
-                break
-            if n.target in SOFTMAX_OPS or n.target in SDPA_OPS:
-                continue
-            nxt.extend(i for i in n.all_input_nodes if i.op == "call_function")
-        if score is not None or not nxt:
-            break
-        frontier = nxt
-    if score is None:
-        return None
-    if score.target is aten.baddbmm.default:
-        q, kt = score.args[1], score.args[2]
-    else:
-        q, kt = score.args[0], score.args[1]
-    value_op = None
-    frontier = [softmax]
-    for _ in range(6):  # dropout, casts, head masks
-        nxt = []
-        for n in frontier:
-            for user in n.users:
-                if user.target in _SCORE_OPS and user.args and user.args[0] is n:
-                    value_op = user
-                    break
-                if user.op == "call_function" and user.target not in SOFTMAX_OPS:
-                    nxt.append(user)
-            if value_op is not None:
-                break
-        if value_op is not None or not nxt:
-            break
-        frontier = nxt
-    if value_op is None:
-        return (softmax, "manual_softmax", {}, {}, f"softmax {softmax.name} has scores but no value matmul after it")
-    v = value_op.args[1]
-    kt_shape = shape_of(kt) or (0, 0)
-    dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
-    return (value_op, "manual_softmax", {"q": q, "k": kt, "v": v}, dims, "")
+_Graph = MatchGraph  # the old private name
 
 
 def find_sites(exported) -> list[RawSite]:
     """Every attention site in the graph, matched or with the reason it was skipped."""
-    g = _Graph(exported)
+    g = MatchGraph(exported)
     sites = []
-    for node, rule, roles, dims, reason in _anchors(g):
+    for anchor in _anchors(g):
+        node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason
         name = _module_path(node) or node.name
         key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
         if "@" in key:  # a module called more than once (shared layers): one site per call

@@ -1,0 +1,39 @@
+"""Rule ``sdpa``: ``aten.scaled_dot_product_attention`` and its fused variants (flash, efficient, cuDNN)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch.fx import Node
+
+from ..layout import shape_of
+from .base import Anchor
+
+if TYPE_CHECKING:
+    from ..match import MatchGraph
+
+__all__ = ["SDPA_OPS", "SDPARule"]
+
+aten = torch.ops.aten
+
+SDPA_OPS = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+class SDPARule:
+    """q, k, v are the op's first three arguments, each (..., L, Dh)."""
+
+    name = "sdpa"
+
+    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+        if node.op != "call_function" or node.target not in SDPA_OPS:
+            return None
+        q, k, v = node.args[:3]
+        roles = {"q": q, "k": k, "v": v}
+        dims = {r: (shape_of(n) or (0,))[-1] for r, n in roles.items()}
+        return Anchor(node, self.name, roles, dims)  # type: ignore[arg-type]
