@@ -9,11 +9,14 @@ import torch
 from torch import nn
 
 from .config import KHAConfig
-from .errors import AlreadyAppliedError, KHAConfigError, NoAttentionFoundError
+from .errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
 from .passes.handlers import handler_of
+from .parallel.fsdp import refuse_sharded
 from .passes.inputs import example_inputs as _example_inputs
+from .parametrized import raw_parameters
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
+from .passes.handlers import adapter as _adapter
 from .passes.trace import capture
 from .report import Report
 
@@ -21,22 +24,42 @@ __all__ = ["apply", "inspect", "remove", "analyse"]
 
 log = logging.getLogger(__name__)
 
+def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
+    """Run one analysis step; an unexpected exception becomes an AnalysisError naming the step."""
+    try:
+        return fn(*args)
+    except KHAError:
+        raise
+    except Exception as exc:  # a bug or an unforeseen graph: never a raw crash, the model is unchanged
+        raise AnalysisError(
+            f"kha_compile failed in the {step} step on {type(model).__name__}: {type(exc).__name__}: {exc}. "
+            "The model is unchanged. Set KHA_MATCH_DEBUG=<node name> for the matcher's decisions, and "
+            "report this with the model's code.") from exc
+
+
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
-    args, kwargs = _example_inputs(model, example_args, example_kwargs)
-    cap = capture(model, args, kwargs)
-    raw = find_sites(cap.exported)
-    sites, plan = build_sites(model, raw, cap, cfg)
+    args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
+    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+        cap = _step("trace", model, capture, model, args, kwargs)
+    raw = _step("match", model, find_sites, cap.exported)
+    sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
     return report, plan
 
 
 def _nothing_found(model: nn.Module, report: Report) -> str:
     what = (f"kha_compile found no per-head attention to transform in {type(model).__name__}. It looked for "
-            "aten.scaled_dot_product_attention and softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm) in the "
+            "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention "
+            "and ops registered with kc.register_attention_op in the "
             "torch.export graph and walked q, k, v back to their projections.")
-    if report.skipped:
-        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in report.skipped)
-    else:
+    unknown = [s for s in report.skipped if s.anchor == "unregistered"]
+    known = [s for s in report.skipped if s.anchor != "unregistered"]
+    if known:
+        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known)
+    if unknown:
+        what += ("\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "
+                 "registered:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in unknown))
+    if not report.skipped:
         what += " The graph contains no attention op; check that the example inputs run the attention path."
     return what
 
@@ -55,6 +78,7 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         model = kc.apply(block, example_args=(x,))              # any other nn.Module
         print(kc.inspect(model))
     """
+    refuse_sharded(model, "apply")  # before anything is touched: apply before fully_shard/parallelize
     if cfg is None:
         cfg = KHAConfig()
     if not isinstance(cfg, KHAConfig):
@@ -73,7 +97,9 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
         warnings.warn(message, stacklevel=2)
         log.warning(message)
         return model
-    count = insert(model, plan)
+    count = insert(_adapter.unwrap_model(model), plan)
+    _adapter.watch(_adapter.unwrap_model(model))
+    _record_config(model)
     for s in report.skipped:
         log.warning("KHA skipped %s: %s", s.name, s.reason)
     log.info("KHA inserted %d transforms into %d modules at %d attention sites (%d skipped) in %.2fs",
@@ -90,6 +116,7 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: Optional[d
         print(report)                     # a table: kind, heads, kv heads, head dim, rope, qk-norm, kha
         report.sites[0].transforms        # {"v": "mlp"} after apply
     """
+    refuse_sharded(model, "inspect")
     report, _ = analyse(model, None, example_args, example_kwargs)
     return report
 
@@ -103,4 +130,12 @@ def remove(model: nn.Module) -> nn.Module:
     """
     for _, module in kha_modules(model):
         handler_of(module).detach(module)
+    _adapter.unwatch(model)
+    _record_config(model)
     return model
+
+
+def _record_config(model: nn.Module) -> None:
+    from .hf_checkpoint import record_config
+
+    record_config(model)

@@ -13,6 +13,8 @@ from .api import apply, remove
 from .config import KHAConfig, CONFIG_VERSION
 from .errors import CheckpointError, KHAError, NoKHATransformsError
 from .modules import transforms_of
+from .passes.handlers.adapter import canonical_name
+from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
 from .passes.insert import kha_modules
 
 __all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
@@ -42,7 +44,8 @@ def config_of(model: nn.Module) -> dict[str, Any]:
 
 
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if ".kha." in f".{k}"}
+    """The KHA tensors of ``model`` under canonical names (no PEFT ``base_model.model.`` / ``base_layer``)."""
+    return {canonical_name(k): v for k, v in model.state_dict().items() if ".kha." in f".{k}"}
 
 
 def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
@@ -51,23 +54,30 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     Example::
 
         kc.save_pretrained(model, "kha_ckpt")      # kha_model.safetensors + kha_config.json
+
+    On a sharded model (FSDP2, tensor parallel) every rank calls it: the KHA tensors are gathered,
+    global rank 0 writes a complete checkpoint, the other ranks write nothing, and all return together.
     """
     from safetensors.torch import save_file
 
     state = kha_state(model)
     if not state:
         raise NoKHATransformsError(f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first.")
+    tensors, write, sharded = gather_for_save(state)  # FSDP2/TP: a collective; only rank 0 writes
     directory = pathlib.Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
-    config = config_of(model)
-    config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+    if not write:
+        rank0_wrote()  # raises CheckpointError if rank 0 could not write
+        return directory
+    with telling_other_ranks(sharded):  # sharded: rank 0 tells every rank whether the write succeeded
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
+        meta = {"format": "kha_compile", "version": str(CONFIG_VERSION)}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
+        config = config_of(model)
+        config["tensors"] = {k: list(v.shape) for k, v in tensors.items()}
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     log.info("saved %d KHA tensors to %s", len(tensors), directory)
     return directory
 
@@ -78,6 +88,10 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
 
     directory = pathlib.Path(directory)
     cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    from .hf_checkpoint import is_hf_dir, read_hf
+
+    if not cfg_path.is_file() and is_hf_dir(directory):  # written by the model's own save_pretrained / Trainer
+        return read_hf(directory)
     for p in (cfg_path, weights_path):
         if not p.is_file():
             raise CheckpointError(f"{str(p)!r} does not exist; a KHA checkpoint directory holds "
@@ -139,7 +153,7 @@ def load_pretrained(model: nn.Module, directory, example_args: Any = (), example
             raise CheckpointError(f"the KHA checkpoint in {str(directory)!r} does not fit {type(model).__name__}: "
                                   f"{misfit}. The model was left unchanged.")
         with torch.no_grad():
-            params = dict(model.named_parameters())
+            params = {canonical_name(n): p for n, p in model.named_parameters()}
             for k, v in tensors.items():
                 params[k].copy_(v.to(dtype=params[k].dtype, device=params[k].device))
     except BaseException:

@@ -8,7 +8,8 @@ __all__ = [
     "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
     "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
     "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
-    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError",
+    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError", "ShardedModelError",
+    "RegistrationError", "AnalysisError",
 ]
 
 
@@ -58,6 +59,14 @@ class BackendUnavailableError(KHAError, ImportError):
 
 class OpInputError(KHAError, ValueError):
     """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class RegistrationError(KHAError, ValueError):
+    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
+
+
+class AnalysisError(KHAError):
+    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
 
 
 class KernelCompileError(KHAError, ValueError):
@@ -112,3 +121,7 @@ class UnsupportedLayoutError(UnsupportedModelError):
 
 class RegistryError(KHAError, LookupError):
     """A rule or projection-handler name is not registered."""
+
+
+class ShardedModelError(KHAError):
+    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""

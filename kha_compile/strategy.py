@@ -13,7 +13,7 @@ Linear KHA can run two ways with the same result:
 is cached and recomputed only when a source tensor changes (a new object, storage, dtype, device,
 or a bumped ``_version`` counter: optimizer steps and in-place edits bump it). Code traced by
 ``torch.compile`` / ``torch.export`` stays token-side whatever the strategy (the ``"kha"`` backend
-folds by itself), and auto stays token-side for sharded weights (DTensor: anything with
+folds by itself), and so do sharded weights (DTensor under tensor parallelism: anything with
 ``__torch_function__``). MLP-value never folds, so it is
 always token-side; on a fused projection that carries both, the linear roles go weight-side.
 
@@ -69,10 +69,10 @@ def use_weight_side(strategy: str, sources: Sequence[Tensor], tokens: int, in_fe
     strategy = check_strategy(strategy, "kha_strategy")
     if torch.compiler.is_compiling():  # traced code stays token-side: the "kha" backend folds by itself
         return False
+    if torch.overrides.has_torch_function(tuple(sources)):  # sharded (DTensor) weights: token-side
+        return False
     if strategy != "auto":
         return strategy == "weight"
-    if torch.overrides.has_torch_function(tuple(sources)):
-        return False
     return not needs_grad(sources) or tokens > in_features
 
 

@@ -23,10 +23,24 @@ from ..transforms import kind_of
 from .handlers import handler_of, weight_out_axis
 from .insert import kha_modules
 from .rows import fold_rows
+from ..parallel.fsdp import refuse_sharded
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 
 log = logging.getLogger(__name__)
+
+
+def _stored(module: nn.Module, name: str) -> Tensor:
+    """The stored tensor behind ``name`` (dotted, relative to ``module``), not a parametrized view of it."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    stored = owner._parameters.get(attr)
+    if stored is None:
+        stored = owner._buffers.get(attr)
+    if stored is None:
+        raise FoldError(f"cannot fold into {type(owner).__name__}.{attr}: not a parameter or buffer. "
+                        "Nothing was changed.")
+    return stored
 
 
 def fold(model: nn.Module, strict: bool = True) -> nn.Module:
@@ -40,7 +54,12 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model)                    # vanilla architecture, original state_dict keys
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
+    from .handlers import adapter
+
+    adapter.sync(model)  # KHA that PEFT wrapped as base_layer moves out to the adapter wrapper first
     modules = kha_modules(model)
+    if modules:
+        refuse_sharded(model, "fold")  # FSDP2/TP: gather first; nothing is changed
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
@@ -62,17 +81,19 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     if bad:
         raise FoldError(f"fold produced non-finite values in {bad[:3]}; the KHA weights hold inf/NaN. "
                         "Nothing was changed.")
-    # 2. commit
+    # 2. commit: into the stored parameter (a KHA-parametrized attribute reads as the folded value)
+    targets = [(_stored(m, pname), value) for m, pname, value in updates]
     with torch.no_grad():
-        for m, pname, value in updates:
-            getattr(m, pname).copy_(value)
+        for stored, value in targets:
+            stored.copy_(value)
     folded = 0
     for _, m in modules:
         linear_roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
         folded += len(linear_roles)
-        for r in linear_roles:
-            del transforms_of(m)[r]
-        if len(transforms_of(m)) == 0:
-            handler_of(m).detach(m)
+        handler_of(m).drop(m, linear_roles)
+    adapter.unwatch(model)
+    from ..hf_checkpoint import record_config
+
+    record_config(model)
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model

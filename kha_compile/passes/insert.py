@@ -68,6 +68,8 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
         slots: dict[str, HeadSlot] = {}
         for r in kinds:
             handler = handlers[r][0]
+            if handler is not None and handler.plans_roles:
+                continue  # positions live in the handler's own plan (plan_role below)
             s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
             if s is None:
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
@@ -84,12 +86,19 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
                 qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
             _current_transforms(model, site, paths)
+            notes = [h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
+                     for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()]
+            site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
                 path = paths[r]
                 entry = plan.setdefault(path, PlanEntry(path, _name(handlers[r][0]), [], {},
                                                         int(raw.roles[r].projection.feature_map.numel()),
                                                         cfg.strategy if cfg is not None else "auto"))
+                handler = handlers[r][0]
+                if handler is not None and handler.plans_roles:
+                    handler.plan_role(entry, r, raw.roles[r], tk)
+                    continue
                 if any(s.role == r for s in entry.slots):
                     continue
                 entry.slots.append(slots[r])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 from collections import deque
 from typing import Any, Optional
@@ -23,16 +24,17 @@ from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map,
 from .rules import Anchor, attention_rules
 from .rules.manual_softmax import SOFTMAX_OPS
 from .rules.sdpa import SDPA_OPS
+from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
 
 __all__ = ["Projection", "RoleMatch", "RawSite", "MatchGraph", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_PROJ_OPS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default}
+_PROJ_OPS = PROJ_TARGETS  # linear, addmm, mm, matmul, einsum, tensordot
 _NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
              aten.native_layer_norm.default, aten.var_mean.correction}
-_TRIG_OPS = {aten.cos.default, aten.sin.default}
+_TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 _COPY_OPS = {aten.copy_.default, aten.copy.default}
 _ALLOC_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.empty_like.default,
               aten.zeros_like.default, aten.ones_like.default, aten.new_full.default, aten.full_like.default}
@@ -45,10 +47,20 @@ class Projection:
 
     node: Node
     param: str  # qualified name of the weight (traced paths)
-    module_path: str  # the module owning the weight
+    module_path: str  # the module owning the weight; for a weight used functionally, the module calling it
     is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
     feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
     input_node: Node
+    out_index: Optional[torch.Tensor] = None  # the op output's shape: feature number of each element
+    pieces: list[ParamPiece] = dataclasses.field(default_factory=list)  # weight, then bias pieces
+    pieces_reason: str = ""  # why the bias could not be read as parameter pieces
+    occurrence: int = 0  # earlier projection calls on the same weight in the calling module's forward
+
+    @property
+    def features_last(self) -> bool:
+        """True when features lie on the output's last axis only, in order (an nn.Linear output)."""
+        idx = self.out_index
+        return idx is None or bool(torch.equal(idx, torch.arange(idx.shape[-1]).expand(idx.shape)))
 
 
 @dataclasses.dataclass
@@ -171,22 +183,50 @@ class MatchGraph:
         return None
 
     def as_projection(self, node: Node) -> Optional[Projection]:
-        if node.op != "call_function" or node.target not in _PROJ_OPS:
-            return None
-        if node.target is aten.linear.default:
-            x, w, out_axis = node.args[0], node.args[1], 0
-        elif node.target is aten.addmm.default:
-            x, w, out_axis = node.args[1], node.args[2], 1
+        """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
+        for x, w, axes, out_index in projection_info(node):
+            piece = weight_source(w, axes, self.params, self.constants)
+            if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
+                break
         else:
-            x, w, out_axis = node.args[0], node.args[1], 1
-        if not isinstance(w, Node) or not isinstance(x, Node):
             return None
-        src = self.param_source(w, out_axis)
-        if src is None:
-            return None
-        name, fmap = src
-        module_path = name.rpartition(".")[0]
-        return Projection(node, name, module_path, self.is_module_output(node, module_path), fmap, x)
+        module_path = piece.name.rpartition(".")[0]
+        is_call = self.is_module_output(node, module_path)
+        if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
+            module_path = _module_path(node)
+        proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
+        bias = node.args[2] if node.target is aten.linear.default and len(node.args) > 2 else \
+            node.args[0] if node.target is aten.addmm.default else None
+        after = post_bias(node) if bias is None else None
+        if after is not None and self.is_param(after):
+            bias = after
+        if isinstance(bias, Node):
+            pieces, why = bias_pieces(bias, out_index, int(piece.feature_map.numel()), self.params, self.buffers)
+            proj.pieces.extend(pieces)
+            proj.pieces_reason = why
+        if not proj.is_module_call:
+            proj.occurrence = self._occurrence(node, root_param(w, self.params))
+        return proj
+
+    def _occurrence(self, node: Node, weight: Optional[Node]) -> int:
+        """How many projection calls on ``weight`` run before ``node`` in its module call."""
+        stack = node.meta.get("nn_module_stack") or {}
+        scope = self.scope.get(list(stack)[-1], []) if stack else list(self.graph.nodes)
+        return sum(1 for n in scope if n.target in _PROJ_OPS and self.order[n] < self.order[node]
+                   and any(root_param(a, self.params) is weight for a in n.all_input_nodes))
+
+    def is_param(self, node: Any) -> bool:
+        """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and not (n.name in self.params or n.name in self.buffers or n.name in self.constants):
+                return False  # an activation (a user input) feeds it
+            stack.extend(n.all_input_nodes)
+        return True
 
     def is_module_output(self, node: Node, module_path: str) -> bool:
         """True when the module at ``module_path`` only computes ``node`` and post-processes it.
@@ -199,6 +239,8 @@ class MatchGraph:
         if not module_path or not stack or _module_path(node) != module_path:
             return False
         own = {node}
+        if any(n.target in SDPA_OPS or n.target in SOFTMAX_OPS for n in self.scope.get(list(stack)[-1], ())):
+            return False  # the attention itself owns the weight: used functionally, not a projection module
         for n in self.scope.get(list(stack)[-1], ()):  # this call of the module (shared layers run it often)
             if self.order[n] <= self.order[node]:
                 if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \
@@ -307,7 +349,7 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
     shape = shape_of(proj.node)
     if shape is None:
         return None, f"{role}: {proj.node.name} has a symbolic shape"
-    idx = torch.arange(shape[-1]).expand(shape)
+    idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
     # expected head dim at each chain node: the anchor's, or a piece of it before a last-axis cat
     expect = [expect_dim] * len(chain)
     shared = False
@@ -325,9 +367,14 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
             expect[i] = expect[i + 1]
     found: Optional[HeadMap] = None
     stop = ""
+    path_set = set(path)
     for i, node in enumerate(chain):
         if i > 0:
             prev = chain[i - 1]
+            if isinstance(idx, tuple):  # a tuple op (split, unbind) whose one used element is not on the chain
+                gets = [u for u in prev.users if u.target is operator.getitem and u in path_set]
+                if len(gets) == 1 and isinstance(gets[0].args[1], int):
+                    idx, prev = idx[gets[0].args[1]], gets[0]
             direct = bool(node.args) and node.args[0] is prev and node.target not in _ALLOC_OPS
             try:
                 if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
@@ -350,8 +397,8 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
         return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (f" ({stop})" if stop else "")
-    path_set = set(path)
-    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set)
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) \
+        or any(n.target is aten.view_as_complex.default for n in path)
     qk_norm = any(n.target in _NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
 

@@ -181,19 +181,27 @@ def test_attention_without_projection_is_skipped_with_a_reason():
 class FunctionalProjection(nn.Module):
     """The q/k/v weights are bare parameters used with F.linear in the attention module."""
 
-    def __init__(self):
+    def __init__(self, bias_buffer=None):
         super().__init__()
         self.w = nn.Parameter(torch.randn(48, 16))
+        if bias_buffer is not None:
+            self.register_buffer("b", bias_buffer)
 
     def forward(self, x):
-        q, k, v = F.linear(x, self.w).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = F.linear(x, self.w, getattr(self, "b", None)).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def test_functional_projection_without_handler_is_skipped_with_the_weight_named():
+def test_functional_projection_is_matched_by_the_functional_handler():
     x = torch.randn(2, 5, 16)
     (site,) = kc.inspect(FunctionalProjection(), example_args=(x,)).sites
-    assert site.status == "skipped" and "used functionally" in site.reason and "w" in site.reason
+    assert site.status == "matched" and "functional weight w via linear" in site.note
+
+
+def test_functional_projection_with_a_non_zero_bias_buffer_is_skipped_with_the_buffer_named():
+    x = torch.randn(2, 5, 16)
+    (site,) = kc.inspect(FunctionalProjection(torch.ones(48)), example_args=(x,)).sites
+    assert site.status == "skipped" and "bias piece b is a non-zero buffer" in site.reason
 
 
 def test_find_sites_reports_the_head_maps_of_an_interleaved_projection():

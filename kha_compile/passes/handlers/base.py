@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,7 @@ class PlanEntry:
     kinds: dict[str, str]  # role -> transform kind
     out_features: int  # size of the weight's output axis (as the graph indexes it)
     strategy: str = "auto"  # linear KHA execution: "auto" | "weight" | "token" (kha_compile.strategy)
+    extra: Any = None  # a handler's own plan, for handlers that plan roles themselves (``plans_roles``)
 
 
 def owner_of(model: nn.Module, m: "RoleMatch") -> Optional[nn.Module]:
@@ -68,6 +69,17 @@ class ProjectionHandler:
 
     name: ClassVar[str]
     param_space: ClassVar[bool] = False
+    plans_roles: ClassVar[bool] = False  # True: head positions come from plan_role, not affine HeadSlots
+
+    def plan_role(self, entry: PlanEntry, role: str, m: "RoleMatch", kind: str) -> None:
+        """Record ``role`` of a matched site in ``entry`` (``entry.extra``, ``entry.kinds``); only
+        called when ``plans_roles`` is True."""
+        raise NotImplementedError
+
+    def describe(self, model: nn.Module, roles: dict[str, "RoleMatch"],
+                 rename: Callable[[str], str] = lambda p: p) -> str:
+        """A site-report note for the roles this handler carries ('' when there is nothing to say)."""
+        return ""
 
     def accepts(self, model: nn.Module, m: "RoleMatch") -> tuple[bool, str]:
         """``(True, "")``: this handler owns the projection; ``(False, why)``: try the next one
@@ -101,6 +113,14 @@ class ProjectionHandler:
         weight-side execution, the transforms run on the output (token-side).
         """
         return None
+    def drop(self, module: nn.Module, roles: Sequence[str]) -> None:
+        """Remove the (folded) transforms of ``roles`` from ``module``; detach when none is left."""
+        kha = transforms_of(module)
+        for r in roles:
+            if r in kha:
+                del kha[r]
+        if len(kha) == 0:
+            self.detach(module)
 
 
 def _base_class(module: nn.Module) -> type[nn.Module]:

@@ -1,0 +1,313 @@
+"""Projections read off a parameter of any rank: which output features of the op come from which elements.
+
+A projection op (``linear``, ``addmm``, ``mm``, ``matmul``, ``einsum``, ``tensordot``) contracts an
+activation with a weight. Its output features are the weight's *output axes* (those that reach
+the op's output), flattened in the weight's axis order. Two index tensors describe a projection:
+
+* ``out_index`` — the op output's shape, holding the feature number of every element (broadcast
+  over batch/sequence axes). The head map is read by pushing it through the layout ops to the
+  attention, exactly as for an ``nn.Linear`` output (there it is ``arange(out)`` on the last axis).
+* ``feature_map`` — feature number -> flat position over the *parameter's* output axes, found by
+  pushing each parameter axis's ``arange`` through the layout ops between the parameter and the op.
+
+Bias pieces (a bias argument, or a bias added right after the op, assembled from parameters and
+zeros with ``cat``) get their own feature maps, so linear KHA can be folded into every parameter
+that feeds the projection output.
+
+Example::
+
+    info = projection_info(node)       # (weight arg, weight output axes, out_index) or None
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import Node
+
+from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
+
+__all__ = ["PROJ_TARGETS", "ParamPiece", "bias_pieces", "post_bias", "projection_info", "root_param", "weight_source"]
+
+aten = torch.ops.aten
+
+PROJ_TARGETS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default,
+                aten.einsum.default, aten.tensordot.default}
+_ZERO_OPS = {aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default}
+_ADD_OPS = {aten.add.Tensor}
+
+
+@dataclasses.dataclass
+class ParamPiece:
+    """One parameter (or zero buffer) feeding features of a projection output.
+
+    ``feature_map[f]`` is the flat position of feature ``f`` over the parameter's ``axes``
+    (its output axes), or -1 where the feature does not come from this parameter.
+    """
+
+    name: str  # qualified name (traced paths)
+    axes: tuple[int, ...]
+    feature_map: Tensor
+    kind: str = "weight"  # "weight" | "bias" | "buffer" (a buffer must hold zeros on the touched features)
+
+
+def _eq_operands(eq: str, ndims: list[int], out_ndim: int) -> tuple[list[str], str]:
+    """Split an einsum equation into per-operand letters and output letters, expanding '...'."""
+    eq = eq.replace(" ", "")
+    if "->" not in eq:
+        raise _NotLayout("implicit einsum output")
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != len(ndims):
+        raise _NotLayout("einsum operand count")
+    fill = [chr(0x100 + i) for i in range(16)]  # stand-in letters for the axes under '...'
+    expanded = []
+    for spec, nd in zip(ops, ndims):
+        if "..." in spec:
+            n = nd - (len(spec) - 3)
+            spec = spec.replace("...", "".join(fill[16 - n:]) if n else "")
+        expanded.append(spec)
+    if "..." in out:
+        n = out_ndim - (len(out) - 3)
+        out = out.replace("...", "".join(fill[16 - n:]) if n else "")
+    return expanded, out
+
+
+def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tensor]]:
+    """Candidate (activation arg, weight arg, the weight arg's output axes, out_index) of a projection op.
+
+    ``out_index`` has the op output's shape; element values are feature numbers (flat over the
+    weight arg's output axes, in its axis order). The weight is the operand that is not the
+    activation; which one is a parameter is decided by the caller (:func:`weight_source`).
+    """
+    if node.op != "call_function" or node.target not in PROJ_TARGETS:
+        return []
+    out_shape = shape_of(node)
+    if out_shape is None:
+        return []
+    t = node.target
+    if t is aten.einsum.default:
+        operands = node.args[1]
+        if len(operands) != 2 or not all(isinstance(o, Node) for o in operands):
+            return []
+        cands = []
+        for wi in (1, 0):
+            x, w = operands[1 - wi], operands[wi]
+            ws, xs = shape_of(w), shape_of(x)
+            if ws is None or xs is None:
+                continue
+            try:
+                specs, out = _eq_operands(node.args[0], [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
+            except _NotLayout:
+                return []
+            wspec = specs[wi]
+            if len(set(wspec)) != len(wspec):
+                continue
+            axes = tuple(i for i, c in enumerate(wspec) if c in out)
+            cands.append((x, w, axes, _einsum_index(wspec, ws, axes, out, out_shape)))
+        return cands
+    if t is aten.tensordot.default:
+        x, w = node.args[0], node.args[1]
+        ws = shape_of(w)
+        if not isinstance(w, Node) or not isinstance(x, Node) or ws is None:
+            return []
+        dims_b = [d % len(ws) for d in node.args[3]]
+        axes = tuple(i for i in range(len(ws)) if i not in dims_b)
+        feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes])
+        lead = len(out_shape) - len(axes)
+        return [(x, w, axes, feats.reshape((1,) * lead + feats.shape).expand(out_shape))]
+    if t is aten.linear.default:
+        x, w, axes = node.args[0], node.args[1], (0,)
+    elif t is aten.addmm.default:
+        x, w, axes = node.args[1], node.args[2], (1,)
+    else:  # mm, matmul: x @ w
+        x, w = node.args[0], node.args[1]
+        ws = shape_of(w)
+        if ws is None or len(ws) < 2 or not isinstance(w, Node):
+            return []
+        axes = tuple(i for i in range(len(ws)) if i != len(ws) - 2)
+        if len(ws) > 2:  # a batched weight (..., d, n): output (..., m, n) with the weight's batch axes
+            feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes]).unsqueeze(-2)
+            try:
+                return [(x, w, axes, feats.expand(out_shape))]
+            except RuntimeError:
+                return []
+    if not isinstance(w, Node) or not isinstance(x, Node):
+        return []
+    return [(x, w, axes, torch.arange(out_shape[-1]).expand(out_shape))]
+
+
+def _numel(shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
+    n = 1
+    for a in axes:
+        n *= shape[a]
+    return n
+
+
+def _einsum_index(wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: str, out_shape: tuple[int, ...]) -> Tensor:
+    feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes])  # weight out axes, weight order
+    letters = [wspec[a] for a in axes]
+    order = sorted(range(len(letters)), key=lambda i: out.index(letters[i]))
+    feats = feats.permute(order)  # output order
+    shape = [1] * len(out)
+    for i in order:
+        shape[out.index(letters[i])] = ws[axes[i]]
+    return feats.reshape(shape).expand(out_shape)
+
+
+def root_param(node: Any, params: dict[str, str]) -> Node | None:
+    """The parameter placeholder behind ``node`` through layout ops, or None."""
+    cur = node
+    while isinstance(cur, Node) and cur.op == "call_function":
+        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+            return None
+        cur = cur.args[0]
+    if isinstance(cur, Node) and cur.op == "placeholder" and cur.name in params:
+        return cur
+    return None
+
+
+def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
+                  ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
+    """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
+    chain = []
+    cur = node
+    while cur.op == "call_function":
+        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+            return None
+        chain.append(cur)
+        cur = cur.args[0]
+    if cur.op != "placeholder" or cur.name not in params:
+        return None
+    shape = shape_of(cur)
+    if shape is None or not shape:
+        return None
+    per_axis = []
+    for a, n in enumerate(shape):
+        view = [1] * len(shape)
+        view[a] = n
+        idx = torch.arange(n).reshape(view).expand(shape)
+        try:
+            for op in reversed(chain):
+                idx = push_layout(idx, op, op.args[0], constants)
+        except (_NotLayout, RuntimeError, IndexError, TypeError):
+            return None
+        if not isinstance(idx, Tensor):
+            return None
+        per_axis.append(idx)
+    return params[cur.name], shape, per_axis
+
+
+def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str], constants: dict[str, Tensor]
+                  ) -> ParamPiece | None:
+    """The parameter seen through layout ops at ``node`` (a projection's weight arg), as a piece.
+
+    ``arg_axes`` are the weight arg's output axes. Each parameter axis must follow only the output
+    axes or only the contracted ones; the output axes of the parameter are those that follow the
+    output. None when ``node`` is not a parameter seen that way.
+    """
+    found = _axis_indices(node, params, constants)
+    if found is None:
+        return None
+    name, shape, per_axis = found
+    nd = per_axis[0].dim()
+    if any(a >= nd for a in arg_axes):
+        return None
+    rest = [a for a in range(nd) if a not in arg_axes]
+    n_out = _numel(tuple(per_axis[0].shape), arg_axes)
+    p_axes, cols = [], []
+    for a, idx in enumerate(per_axis):
+        m = idx.permute(*arg_axes, *rest).reshape(n_out, -1)  # (features, contracted)
+        by_col = bool((m == m[:, :1]).all())
+        by_row = bool((m == m[:1, :]).all())
+        if by_col and not by_row:
+            p_axes.append(a)
+            cols.append(m[:, 0])
+        elif not by_row and shape[a] != 1:
+            return None  # one parameter axis follows both features and contracted axes
+    if not p_axes:
+        return None
+    fmap = torch.zeros(n_out, dtype=torch.long)
+    for a, c in zip(p_axes, cols):
+        fmap = fmap * shape[a] + c
+    if fmap.unique().numel() != fmap.numel():
+        return None
+    return ParamPiece(name, tuple(p_axes), fmap)
+
+
+def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str], table: list, depth: int = 0
+                      ) -> Tensor | None:
+    """Index tensor of ``node``'s shape: id of each element's source (param offset + position, -1 for zero)."""
+    if depth > 24 or not isinstance(node, Node):
+        return None
+    shape = shape_of(node)
+    if shape is None:
+        return None
+    if node.op == "placeholder" and (node.name in params or node.name in buffers):
+        base = sum(int(torch.Size(s).numel()) for _, s, _ in table)
+        table.append((params.get(node.name) or buffers[node.name], shape, "bias" if node.name in params else "buffer"))
+        return base + torch.arange(int(torch.Size(shape).numel())).reshape(shape)
+    if node.op != "call_function":
+        return None
+    if node.target in _ZERO_OPS:
+        return torch.full(shape, -1, dtype=torch.long)
+    if node.target is aten.cat.default:
+        parts = [_global_positions(p, params, buffers, table, depth + 1) for p in node.args[0]]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat(parts, dim=node.args[1] if len(node.args) > 1 else 0)
+    if node.target in LAYOUT_OPS or node.target in IDENTITY_OPS:
+        src = node.args[0] if node.args else None
+        inner = _global_positions(src, params, buffers, table, depth + 1)
+        if inner is None:
+            return None
+        try:
+            return push_layout(inner, node, src, {})
+        except (_NotLayout, RuntimeError, IndexError, TypeError):
+            return None
+    return None
+
+
+def bias_pieces(bias: Node, out_index: Tensor, n_features: int, params: dict[str, str], buffers: dict[str, str]
+                ) -> tuple[list[ParamPiece], str]:
+    """Parameter pieces of a bias added to a projection output (broadcast to ``out_index``'s shape)."""
+    table: list = []
+    pos = _global_positions(bias, params, buffers, table)
+    if pos is None:
+        return [], f"bias {bias.name} is not assembled from parameters and zeros"
+    try:
+        pos = pos.expand(out_index.shape) if pos.dim() <= out_index.dim() else None
+    except RuntimeError:
+        pos = None
+    if pos is None:
+        return [], f"bias {bias.name} does not broadcast over the projection output"
+    per_feature = torch.full((n_features,), -2, dtype=torch.long)
+    flat_f, flat_p = out_index.reshape(-1), pos.reshape(-1)
+    per_feature[flat_f] = flat_p
+    if not bool((per_feature[flat_f] == flat_p).all()):
+        return [], f"bias {bias.name} differs along the batch axes of the projection output"
+    pieces, base = [], 0
+    for name, shape, kind in table:
+        n = int(torch.Size(shape).numel())
+        inside = (per_feature >= base) & (per_feature < base + n)
+        if bool(inside.any()):
+            fmap = torch.where(inside, per_feature - base, torch.full_like(per_feature, -1))
+            pieces.append(ParamPiece(name, tuple(range(len(shape))), fmap, kind))
+        base += n
+    return pieces, ""
+
+
+def post_bias(node: Node) -> Node | None:
+    """The bias operand of an add that is the projection's only user (``einsum(...) + b``), if any."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    add = users[0]
+    if add.op != "call_function" or add.target not in _ADD_OPS or len(add.args) < 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0] if add.args[1] is node else None
+    if not isinstance(other, Node) or shape_of(add) != shape_of(node):
+        return None
+    return other

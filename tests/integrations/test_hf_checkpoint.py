@@ -1,0 +1,104 @@
+"""transformers checkpoints of KHA models: save_pretrained -> from_pretrained -> kc.load_pretrained, Trainer resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import kha_params, perturb
+
+import kha_compile as kc
+from kha_compile import _tiny
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM
+
+CFG = kc.KHAConfig(q="linear", v="mlp")
+IDS = torch.randint(0, _tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _trained():
+    model = _tiny.make("tiny-llama")
+    kc.apply(model, CFG)
+    perturb(model, scale=0.2)
+    return model
+
+
+def test_config_records_kha_and_fold_drops_it():
+    model = _tiny.make("tiny-llama")
+    assert not hasattr(model.config, "kha_compile")
+    kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
+    assert model.config.kha_compile == {"version": model.config.kha_compile["version"], "q": "linear", "k": None,
+                                        "v": "linear"}
+    assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
+    kc.fold(model)
+    assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
+    kc.apply(model, CFG)
+    kc.remove(model)
+    assert not hasattr(model.config, "kha_compile")
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_save_pretrained_from_pretrained_load_pretrained_is_exact(tmp_path, shard):
+    model = _trained()
+    want = model(input_ids=IDS).logits
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp_path, **kwargs)
+    assert json.loads((tmp_path / "config.json").read_text())["kha_compile"]["v"] == "mlp"
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert not kha_params(fresh)  # transformers alone drops the KHA tensors (its unexpected-keys report)
+    kc.load_pretrained(fresh, tmp_path)
+    assert set(kha_params(fresh)) == set(kha_params(model))
+    assert torch.equal(fresh(input_ids=IDS).logits, want)
+
+
+def test_from_pretrained_alone_reports_kha_keys_as_unexpected(tmp_path, caplog):
+    _trained().save_pretrained(tmp_path)
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["unexpected_keys"] and all(".kha." in k for k in info["unexpected_keys"])
+
+
+def test_hf_dir_without_kha_entry_is_refused(tmp_path):
+    _tiny.make("tiny-llama").save_pretrained(tmp_path)
+    model = _tiny.make("tiny-llama")
+    with pytest.raises(kc.KHAError, match="kha_compile"):
+        kc.load_pretrained(model, tmp_path)
+    assert not kha_params(model)
+
+
+def _trainer(model, out, max_steps):
+    from transformers import Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, _tiny.VOCAB, (16, 8), generator=gen)]
+    args = TrainingArguments(str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, seed=0, data_seed=0,
+                             logging_strategy="no", lr_scheduler_type="constant")
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def test_trainer_resume_matches_uninterrupted_run(tmp_path):
+    def fresh():
+        model = _tiny.make("tiny-llama").train()
+        kc.apply(model, CFG)
+        return model
+
+    full = fresh()
+    _trainer(full, tmp_path / "full", 4).train()
+    part = fresh()
+    _trainer(part, tmp_path / "part", 2).train()  # stops at step 2 with checkpoint-2
+    assert (tmp_path / "part" / "checkpoint-2" / "optimizer.pt").is_file()
+    resumed = fresh()  # KHA applied first: the checkpoint's .kha. tensors load into it
+    _trainer(resumed, tmp_path / "part", 4).train(resume_from_checkpoint=True)
+    want, got = kha_params(full), kha_params(resumed)
+    assert any((p - torch.eye(p.shape[0])).abs().max() > 1e-4 for n, p in want.items() if n.endswith("up"))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=0)
+    torch.testing.assert_close(resumed.eval()(input_ids=IDS).logits, full.eval()(input_ids=IDS).logits,
+                               atol=1e-5, rtol=0)
+    # the Trainer's own checkpoint restores into a fresh model with kc.load_pretrained
+    restored = kc.load_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "part" / "checkpoint-4"),
+                                  tmp_path / "part" / "checkpoint-4")
+    assert torch.equal(restored.eval()(input_ids=IDS).logits, resumed(input_ids=IDS).logits)

@@ -1,0 +1,224 @@
+"""Rank script of tests/parallel/test_tensor_parallel.py (run under torchrun; asserts inside, prints OK lines).
+
+    torchrun --standalone --nproc_per_node=2 tests/parallel/_tp_ranks.py tp
+    torchrun --standalone --nproc_per_node=4 tests/parallel/_tp_ranks.py fsdp_tp
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor  # before kha_compile: then its import registers mlp_value's DTensor rule
+
+import kha_compile as kc
+from kha_compile import _tiny
+
+TOL = 1e-5
+
+
+def kha_named(model):
+    return {n: p for n, p in model.named_parameters() if ".kha." in f".{n}"}
+
+
+def perturb(model, seed=1, scale=0.1):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(kha_named(model).items()):
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+def full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def llama_plan(model):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        for p in ("q_proj", "k_proj", "v_proj"):
+            plan[f"model.layers.{i}.self_attn.{p}"] = ColwiseParallel()
+        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+    return plan
+
+
+def neox_plan(model):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.gpt_neox.layers)):
+        plan[f"gpt_neox.layers.{i}.attention.query_key_value"] = ColwiseParallel()
+        plan[f"gpt_neox.layers.{i}.attention.dense"] = RowwiseParallel()
+    return plan
+
+
+def tiny_neox():
+    """Fused query_key_value, interleaved per head [H, 3, Dh] (GPT-NeoX), tiny and seeded."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5)
+    return GPTNeoXForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def make(name, cfg, **llama):
+    if name == "gpt_neox":
+        model = tiny_neox()
+    elif llama:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(LlamaConfig(**_tiny._DECODER, **llama), attn_implementation="sdpa")
+    else:
+        model = _tiny.make(name)
+    model.train()
+    kc.apply(model, cfg)
+    perturb(model)
+    return model
+
+
+def steps(model, ids_list, n=2, lr=0.5, loss_group=None):
+    """Losses, KHA grads of the first step and KHA weights after n SGD steps (full tensors)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for i in range(n):
+        opt.zero_grad()
+        loss = sum(model(input_ids=ids, labels=ids, use_cache=False).loss for ids in ids_list) / len(ids_list)
+        loss.backward()
+        if grads is None:
+            grads = {k: full(p.grad).clone() for k, p in kha_named(model).items()}
+        opt.step()
+        loss = loss.detach().clone()
+        if loss_group is not None:  # data parallel: the mean over the data-parallel ranks
+            dist.all_reduce(loss, group=loss_group)
+            loss /= dist.get_world_size(loss_group)
+        losses.append(float(loss))
+    weights = {k: full(p.detach()).clone() for k, p in kha_named(model).items()}
+    return losses, grads, weights
+
+
+def compare(tag, got, ref):
+    gl, gg, gw = got
+    rl, rg, rw = ref
+    assert max(abs(a - b) for a, b in zip(gl, rl)) < TOL, (tag, "loss", gl, rl)
+    assert set(gg) == set(rg) and set(gw) == set(rw), (tag, sorted(gg), sorted(rg))
+    for k in rg:
+        assert (gg[k] - rg[k]).abs().max() < TOL, (tag, "grad", k, float((gg[k] - rg[k]).abs().max()))
+        assert (gw[k] - rw[k]).abs().max() < TOL, (tag, "weight", k, float((gw[k] - rw[k]).abs().max()))
+    return max(float(v.abs().max()) for v in rg.values())  # the gradients are not all zero
+
+
+def same_on_every_rank(tag, weights):
+    for k, w in weights.items():
+        ws = [torch.empty_like(w) for _ in range(dist.get_world_size())]
+        dist.all_gather(ws, w.contiguous())
+        assert all(torch.equal(ws[0], x) for x in ws), (tag, "ranks differ", k)
+
+
+LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
+MLP = kc.KHAConfig(q="linear", k="linear", v="mlp")
+
+
+def check_mlp_value_dtensor(mesh):
+    """kha::mlp_value on DTensor inputs: forward and backward equal the plain op."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(4, 6, 16, generator=gen)
+    ws = [torch.eye(16) + 0.1 * torch.randn(16, 16, generator=gen) for _ in range(3)]
+    ref_in = [t.clone().requires_grad_() for t in (v, *ws)]
+    ref = torch.ops.kha.mlp_value(*ref_in)
+    ref.sum().backward()
+    for dim in (0, 1):
+        dv = distribute_tensor(v, mesh, [Shard(dim)]).requires_grad_()
+        dws = [distribute_tensor(w, mesh, [Replicate()]).requires_grad_() for w in ws]
+        out = torch.ops.kha.mlp_value(dv, *dws)
+        assert out.placements == (Shard(dim),), out.placements
+        assert (out.full_tensor() - ref).abs().max() < TOL
+        out.sum().backward()
+        for a, b in zip((dv, *dws), ref_in):
+            assert (full(a.grad) - b.grad).abs().max() < TOL, ("mlp_value grad", dim)
+    print("OK mlp_value DTensor")
+
+
+def main_tp():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    check_mlp_value_dtensor(mesh)
+    for tag, cfg in (("linear", LINEAR), ("mlp", MLP)):
+        ref = steps(make("tiny-llama", cfg), [ids])
+        model = make("tiny-llama", cfg)
+        kc.parallelize(model, mesh, llama_plan(model))
+        got = steps(model, [ids])
+        moved = compare(f"llama-{tag}", got, ref)
+        same_on_every_rank(tag, got[2])
+        print(f"OK tp llama {tag} max|grad| {moved:.3g}")
+    ref = steps(make("gpt_neox", MLP), [ids])
+    model = make("gpt_neox", MLP)
+    kc.parallelize(model, mesh, neox_plan(model))
+    got = steps(model, [ids])
+    moved = compare("neox", got, ref)
+    same_on_every_rank("neox", got[2])
+    print(f"OK tp fused-qkv max|grad| {moved:.3g}")
+    # the sharded model refuses apply / inspect / fold, unchanged
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    for call in (lambda: kc.apply(model, MLP), lambda: kc.inspect(model), lambda: kc.fold(model, strict=False)):
+        try:
+            call()
+        except kc.errors.ShardedModelError as e:
+            assert "already sharded" in str(e) and "DTensor" in str(e), e
+        else:
+            raise AssertionError("a sharded model was not refused")
+    after = {k: full(v) for k, v in model.state_dict().items()}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    print("OK tp refusals")
+    # save_pretrained from every rank: rank 0 writes the full KHA weights
+    out_dir = sys.argv[2]
+    kc.save_pretrained(model, out_dir)
+    if dist.get_rank() == 0:
+        _, tensors = kc.checkpoint.read_checkpoint(out_dir)
+        assert set(tensors) == set(got[2]) and all(torch.equal(tensors[k], got[2][k]) for k in tensors)
+    print("OK tp save")
+    # MQA: one kv head cannot be split over 2 ranks
+    model = make("tiny-llama", MLP, num_key_value_heads=1)
+    try:
+        kc.parallelize(model, mesh, llama_plan(model))
+    except kc.KHAError as e:
+        assert "split across ranks" in str(e) and "divides" in str(e), e
+    else:
+        raise AssertionError("MQA over 2 ranks was not refused")
+    print("OK tp mqa refused")
+
+
+def main_fsdp_tp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(2)]
+    ref = steps(make("tiny-llama", MLP), batches)
+    model = make("tiny-llama", MLP)
+    kc.parallelize(model, mesh["tp"], llama_plan(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    got = steps(model, [batches[mesh["dp"].get_local_rank()]], loss_group=mesh["dp"].get_group())
+    moved = compare("fsdp+tp", got, ref)
+    same_on_every_rank("fsdp+tp", got[2])
+    print(f"OK fsdp+tp max|grad| {moved:.3g}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        {"tp": main_tp, "fsdp_tp": main_fsdp_tp}[sys.argv[1]]()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""Tensor parallel with KHA (kha_compile/parallel/tensor_parallel.py, sharding.py), 2 and 4 CPU ranks.
+
+The rank script compares against a single-process run of the same model: the loss of each of 2
+SGD steps, the KHA gradients of the first, and the KHA weights after the second, within 1e-5,
+and checks that every rank ends with the same KHA weights.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from _launch import expect, torchrun
+
+from kha_compile.errors import KHAError
+from kha_compile.modules import HeadSlot
+from kha_compile.parallel.tensor_parallel import local_slots
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    return torchrun("_tp_ranks.py", 2, "tp", str(tmp_path_factory.mktemp("tp") / "kha"))
+
+
+def test_mlp_value_dtensor_rule(tp_run):
+    expect(tp_run, "OK mlp_value DTensor", 2)  # Shard(0)/Shard(1) v, Replicate weights: forward and grads
+
+
+@pytest.mark.parametrize("cfg", ["linear", "mlp"])
+def test_tp_llama_matches_single_process(tp_run, cfg):
+    expect(tp_run, f"OK tp llama {cfg}", 2)  # q, k, v linear / q, k linear + v mlp; GQA 4 q / 2 kv heads
+
+
+def test_tp_fused_qkv_matches_single_process(tp_run):
+    expect(tp_run, "OK tp fused-qkv", 2)  # GPT-NeoX query_key_value [H, 3, Dh], ColwiseParallel
+
+
+def test_tp_model_refuses_apply_inspect_fold_and_saves_from_rank0(tp_run):
+    expect(tp_run, "OK tp refusals", 2)
+    expect(tp_run, "OK tp save", 2)
+
+
+def test_tp_mqa_over_more_ranks_than_kv_heads_is_refused(tp_run):
+    expect(tp_run, "OK tp mqa refused", 2)
+
+
+def test_fsdp2_plus_tp_2x2_matches_single_process():
+    res = torchrun("_tp_ranks.py", 4, "fsdp_tp")
+    expect(res, "OK fsdp+tp", 4)
+
+
+def _slot(role, offset, heads, dim, stride):
+    return HeadSlot(role, offset, heads, dim, stride)
+
+
+def test_local_slots_interleaved_and_fused_blocks():
+    inter = tuple(_slot(r, i * 4, 4, 4, 12) for i, r in enumerate("qkv"))  # [H=4, 3, Dh=4]
+    rank1 = torch.arange(24, 48)  # ColwiseParallel over 2 ranks: heads 2, 3
+    assert local_slots("qkv", inter, rank1) == tuple(_slot(r, i * 4, 2, 4, 12) for i, r in enumerate("qkv"))
+    blocks = (_slot("q", 0, 4, 4, 4), _slot("k", 16, 2, 4, 4), _slot("v", 24, 2, 4, 4))  # [Q|K|V], GQA
+    with pytest.raises(KHAError, match="holds no 'q' head"):  # rank 1 of 2 holds features 16..31: K and V only
+        local_slots("qkv", blocks, torch.arange(16, 32))
+    with pytest.raises(KHAError, match="head 0 of role 'k' is split across ranks"):
+        local_slots("k_proj", (_slot("k", 0, 1, 8, 8),), torch.arange(0, 4))
