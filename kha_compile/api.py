@@ -38,11 +38,13 @@ def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
 
 
 def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
+    model = _adapter.unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
-    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+    with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
         cap = _step("trace", model, capture, model, args, kwargs)
     raw = _step("match", model, find_sites, cap.exported)
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
+    _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
     return report, plan
 
