@@ -12,14 +12,15 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import KHAError
 
-__all__ = ["TINY_MODELS", "make", "HIDDEN", "LAYERS", "HEADS", "HEAD_DIM", "VOCAB"]
+__all__ = ["HEADS", "HEAD_DIM", "HIDDEN", "LAYERS", "TINY_MODELS", "VOCAB", "make"]
 
 SEED = 0
 HIDDEN, LAYERS, HEADS, INTER, VOCAB, MAX_POS = 64, 2, 4, 128, 128, 64

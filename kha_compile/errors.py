@@ -5,10 +5,24 @@ Each message says what went wrong and what to do about it.
 from __future__ import annotations
 
 __all__ = [
-    "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
-    "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
-    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError", "ShardedModelError",
+    "AlreadyAppliedError",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "ExportError",
+    "ExportNamesError",
+    "FoldError",
+    "KHAConfigError",
+    "KHAError",
+    "KernelCompileError",
+    "MissingExampleInputsError",
+    "NoAttentionFoundError",
+    "OpInputError",
+    "RegistryError",
+    "ShardedModelError",
+    "TraceError",
+    "UnknownTransformError",
+    "UnsupportedLayoutError",
+    "UnsupportedModelError",
 ]
 
 
@@ -65,8 +79,13 @@ class KernelCompileError(KHAError, ValueError):
 
 
 __all__ += [
-    "BackendError", "BackendOptionError", "DeployError", "MissingDependencyError", "ModelLoadError",
-    "CommandError", "NoKHATransformsError",
+    "BackendError",
+    "BackendOptionError",
+    "CommandError",
+    "DeployError",
+    "MissingDependencyError",
+    "ModelLoadError",
+    "NoKHATransformsError",
 ]
 
 

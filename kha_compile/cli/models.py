@@ -5,7 +5,7 @@ import importlib
 import json
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -14,8 +14,18 @@ from ..errors import MissingDependencyError, ModelLoadError
 from ..passes.inputs import sentence_transformer_model
 from .ui import UI, quiet_transformers
 
-__all__ = ["MINILM", "MODEL_HELP", "load_model", "load_minilm", "load_with_kha", "require", "export_target",
-           "config_from", "kha_param_count", "kha_leftovers"]
+__all__ = [
+    "MINILM",
+    "MODEL_HELP",
+    "config_from",
+    "export_target",
+    "kha_leftovers",
+    "kha_param_count",
+    "load_minilm",
+    "load_model",
+    "load_with_kha",
+    "require",
+]
 
 MINILM = "minilm"
 MODEL_HELP = ("a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
@@ -89,7 +99,7 @@ def _sentence_transformer(path: str) -> nn.Module:
     return model
 
 
-def load_with_kha(spec: str, kha: Optional[str], ui: UI) -> tuple[nn.Module, str]:
+def load_with_kha(spec: str, kha: str | None, ui: UI) -> tuple[nn.Module, str]:
     """Load MODEL, then the KHA checkpoint ``kha`` into it when given."""
     import kha_compile as kc
 
@@ -106,9 +116,9 @@ def export_target(model: nn.Module) -> nn.Module:
     return sentence_transformer_model(model) or model
 
 
-def config_from(q: Optional[str], k: Optional[str], v: Optional[str]) -> KHAConfig:
+def config_from(q: str | None, k: str | None, v: str | None) -> KHAConfig:
     """The KHAConfig of --q/--k/--v as the parser left them ("none" -> None; none given: the default)."""
-    def norm(x: Optional[str]) -> Optional[str]:
+    def norm(x: str | None) -> str | None:
         return None if x is None or x == "none" else x
 
     if q is None and k is None and v is None:

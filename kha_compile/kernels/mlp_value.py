@@ -83,9 +83,16 @@ from torch import Tensor
 from ..errors import BackendUnavailableError, OpInputError
 
 __all__ = [
-    "mlp_value_triton", "mlp_value_triton_forward", "mlp_value_triton_backward",
-    "triton_available", "triton_supports", "is_triton_build_error", "MAX_D", "MAX_D_FP32",
-    "configs_for", "launch_supported",
+    "MAX_D",
+    "MAX_D_FP32",
+    "configs_for",
+    "is_triton_build_error",
+    "launch_supported",
+    "mlp_value_triton",
+    "mlp_value_triton_backward",
+    "mlp_value_triton_forward",
+    "triton_available",
+    "triton_supports",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,8 +118,8 @@ def _import_triton() -> Any:
     """Import triton once; return the module, or None if it is not importable."""
     try:
         import triton
-        import triton.language  # noqa: F401
-    except Exception as e:  # noqa: BLE001  (ImportError, or a broken install raising something else)
+        import triton.language
+    except Exception as e:
         logger.debug("triton is not importable: %s", e)
         return None
     return triton

@@ -20,8 +20,11 @@ from torch import Tensor
 from ..errors import OpInputError
 
 __all__ = [
-    "mlp_value", "mlp_value_reference", "check_mlp_value_inputs",
-    "mlp_value_backward", "mlp_value_backward_reference",
+    "check_mlp_value_inputs",
+    "mlp_value",
+    "mlp_value_backward",
+    "mlp_value_backward_reference",
+    "mlp_value_reference",
 ]
 
 logger = logging.getLogger(__name__)

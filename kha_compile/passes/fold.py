@@ -19,11 +19,11 @@ from torch import Tensor, nn
 
 from ..errors import FoldError
 from ..modules import transforms_of
+from ..parallel.fsdp import refuse_sharded
 from ..transforms import kind_of
 from .handlers import handler_of, weight_out_axis
 from .insert import kha_modules
 from .rows import fold_rows
-from ..parallel.fsdp import refuse_sharded
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 

@@ -14,18 +14,18 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.fx import Node
 
-from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map, shape_of
+from .layout import LAYOUT_OPS, HeadMap, _NotLayout, push_layout, read_head_map, shape_of
+from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
 from .rules import Anchor, attention_rules
 from .rules.manual_softmax import SOFTMAX_OPS
 from .rules.sdpa import SDPA_OPS
-from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
 
-__all__ = ["Projection", "RoleMatch", "RawSite", "MatchGraph", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
+__all__ = ["SDPA_OPS", "SOFTMAX_OPS", "MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -50,7 +50,7 @@ class Projection:
     is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
     feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
     input_node: Node
-    out_index: Optional[torch.Tensor] = None  # the op output's shape: feature number of each element
+    out_index: torch.Tensor | None = None  # the op output's shape: feature number of each element
     pieces: list[ParamPiece] = dataclasses.field(default_factory=list)  # weight, then bias pieces
     pieces_reason: str = ""  # why the bias could not be read as parameter pieces
     occurrence: int = 0  # earlier projection calls on the same weight in the calling module's forward
@@ -142,7 +142,7 @@ class MatchGraph:
         return [u for u in n.users if not (u.op == "call_function" and u.target in _ALLOC_OPS)] + self.written_by.get(n, [])
 
     # -- projections ---------------------------------------------------------------------
-    def param_source(self, node: Node, out_axis: int) -> Optional[tuple[str, torch.Tensor]]:
+    def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
         """(param name, feature map) when ``node`` is a parameter seen through layout ops."""
         chain = []
         cur = node
@@ -181,9 +181,9 @@ class MatchGraph:
             return name, c[:, 0].clone()  # features index the parameter's columns
         return None
 
-    def as_projection(self, node: Node) -> Optional[Projection]:
+    def as_projection(self, node: Node) -> Projection | None:
         """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
-        for x, w, axes, out_index in projection_info(node):
+        for x, w, axes, out_index in projection_info(node):  # noqa: B007 - used after the break
             piece = weight_source(w, axes, self.params, self.constants)
             if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
                 break
@@ -207,7 +207,7 @@ class MatchGraph:
             proj.occurrence = self._occurrence(node, root_param(w, self.params))
         return proj
 
-    def _occurrence(self, node: Node, weight: Optional[Node]) -> int:
+    def _occurrence(self, node: Node, weight: Node | None) -> int:
         """How many projection calls on ``weight`` run before ``node`` in its module call."""
         stack = node.meta.get("nn_module_stack") or {}
         scope = self.scope.get(list(stack)[-1], []) if stack else list(self.graph.nodes)
@@ -339,7 +339,7 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
     return False
 
 
-def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
+def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[RoleMatch | None, str]:
     """Push the projection's feature index to ``target`` and read the head map at the head split."""
     path = g.path_nodes(proj.node, target)
     if not path:
@@ -364,7 +364,7 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
             shared = True
         else:
             expect[i] = expect[i + 1]
-    found: Optional[HeadMap] = None
+    found: HeadMap | None = None
     stop = ""
     for i, node in enumerate(chain):
         if i > 0:
@@ -422,7 +422,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
                 continue  # a residual add: the input is the model's hidden stream, not a latent
             if n.target is aten.embedding.default:
                 continue
-            nxt.extend(i for i in n.all_input_nodes if not (i.op == "placeholder"))
+            nxt.extend(i for i in n.all_input_nodes if i.op != "placeholder")
         frontier = nxt
     return False
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
+from cli_cases import run, trained_checkpoint
 
 import kha_compile as kc
-from cli_cases import run, trained_checkpoint
 from kha_compile import _tiny
 
 

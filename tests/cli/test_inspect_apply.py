@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import logging
 
-import kha_compile as kc
 from cli_cases import run
+
+import kha_compile as kc
 from kha_compile import _tiny
 from kha_compile.cli import main
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from helpers import kha_params, perturb
 
 import kha_compile as kc
+from helpers import kha_params, perturb
 from kha_compile import _tiny
 
 transformers = pytest.importorskip("transformers")

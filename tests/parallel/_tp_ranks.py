@@ -85,7 +85,7 @@ def steps(model, ids_list, n=2, lr=0.5, loss_group=None):
     """Losses, KHA grads of the first step and KHA weights after n SGD steps (full tensors)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], None
-    for i in range(n):
+    for _ in range(n):
         opt.zero_grad()
         loss = sum(model(input_ids=ids, labels=ids, use_cache=False).loss for ids in ids_list) / len(ids_list)
         loss.backward()

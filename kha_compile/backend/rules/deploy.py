@@ -8,7 +8,8 @@ code as a model with KHA applied), with the checkpoint tensors as extra graph in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
 
 from torch import Tensor, fx
 
@@ -88,7 +89,7 @@ class DeployKHA(Rule):
         self.entries = list(entries)
 
     @classmethod
-    def create(cls, setup: RuleSetup) -> Optional[Rule]:
+    def create(cls, setup: RuleSetup) -> Rule | None:
         return cls(setup.deploy_entries) if setup.deploy_entries is not None else None
 
     def pattern(self, ctx: GraphContext) -> Iterator[Any]:

@@ -236,7 +236,7 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
                                 for r, p in extra.roles.items()})
     plans = [(r, p, [module.get_submodule(path) for path, _, _ in p.params],
               module.get_submodule(p.call[0]) if p.call is not None else None) for r, p in extra.roles.items()]
-    for _, _, mods, w_owner in plans:  # resolve everything before changing anything
+    for _, _, mods, _ in plans:  # resolve everything before changing anything
         for mod in [module, *mods]:
             _switch(mod)
     module.kha = transforms

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from projection_forms import LINEAR, MLP, check_form, two_blocks
-from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 import kha_compile as kc
 from kha_compile.parametrized import ParamSlot, fold_param
+from projection_forms import LINEAR, MLP, check_form, two_blocks
+from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 
 @pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])
