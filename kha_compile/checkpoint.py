@@ -12,6 +12,7 @@ from torch import nn
 from .api import apply, remove
 from .config import CONFIG_VERSION, KHAConfig
 from .errors import CheckpointError, KHAError, NoKHATransformsError
+from .modules import transforms_of
 from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
 from .passes.handlers.adapter import canonical_name
 from .passes.insert import kha_modules
@@ -37,9 +38,9 @@ def config_of(model: nn.Module) -> dict[str, Any]:
     """The KHAConfig that reproduces the model's transforms (MLA sites carry v='linear' under v='mlp')."""
     roles: dict[str, str] = {}
     for _, module in kha_modules(model):
-        for role, t in module.kha.items():
+        for role, t in transforms_of(module).items():
             if roles.get(role) != "mlp":
-                roles[role] = t.kind
+                roles[role] = str(t.kind)
     return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v")}
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -233,13 +233,15 @@ class KHAFunctional(nn.Module):
     [ProjectionCall] for MLP-value.
     """
 
+    _kha_base_class: ClassVar[type[Any]]  # the class it was made from (set by functional_class_for)
+
     def __getattr__(self, name: str) -> Any:
         pslots = self.__dict__.get("_kha_pslots")
         if pslots and name in pslots and not _RAW:
             cache = self.__dict__.get("_kha_cache")
             if cache is not None and name in cache:
                 return cache[name]
-            raw = super().__getattr__(name)
+            raw = cast(Tensor, super().__getattr__(name))  # a registered parameter (name in pslots)
             value = fold_param(raw, [(s, t.weight) for s, t in pslots[name]])
             if cache is not None:
                 cache[name] = value

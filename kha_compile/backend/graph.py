@@ -180,7 +180,7 @@ class GraphContext:
         if like is not None and "nn_module_stack" in like.meta:
             node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
         missing: list[fx.Node] = []
-        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta  # type: ignore[func-returns-value]
+        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta
                                     else n.meta["example_value"])
         if self._fake_mode is not None and not missing:
             try:

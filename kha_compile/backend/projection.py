@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, fx
 
 from ..errors import KHAError
+from ..kinds import Role
 from .deps import HeadSlot, fold_rows
 from .graph import LINEAR_FNS, MATMUL_FNS, GraphContext, concrete
 
@@ -164,7 +165,8 @@ def slot_of(value: Any, head_dim: int) -> HeadSlot | None:
     heads, stride = axes[0] if axes else (1, head_dim)
     if heads > 1 and stride < head_dim:
         return None
-    return HeadSlot("?", int(value.storage_offset()), int(heads), head_dim, int(stride))
+    # the backend folds by position: which role these heads carry is not known here
+    return HeadSlot(cast(Role, "?"), int(value.storage_offset()), int(heads), head_dim, int(stride))
 
 
 def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Projection | None:

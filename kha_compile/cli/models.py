@@ -5,12 +5,13 @@ import importlib
 import json
 import os
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from ..config import KHAConfig
 from ..errors import MissingDependencyError, ModelLoadError
+from ..kinds import TransformName
 from ..passes.inputs import sentence_transformer_model
 from .ui import UI, quiet_transformers
 
@@ -118,8 +119,8 @@ def export_target(model: nn.Module) -> nn.Module:
 
 def config_from(q: str | None, k: str | None, v: str | None) -> KHAConfig:
     """The KHAConfig of --q/--k/--v as the parser left them ("none" -> None; none given: the default)."""
-    def norm(x: str | None) -> str | None:
-        return None if x is None or x == "none" else x
+    def norm(x: str | None) -> TransformName | None:  # KHAConfig checks the name
+        return None if x is None or x == "none" else cast(TransformName, x)
 
     if q is None and k is None and v is None:
         return KHAConfig()

@@ -18,7 +18,7 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -90,8 +90,9 @@ def profile_shapes(inputs: Sequence[TensorInfo],
         if info.name in profile:
             lo, opt, hi = (tuple(int(x) for x in s) for s in profile[info.name])
         else:
-            lo, opt, hi = [], [], []
+            bounds: tuple[list[int], list[int], list[int]] = ([], [], [])
             for axis, dim in enumerate(info.dims):
+                r: tuple[int, int, int] | None
                 if isinstance(dim, int):
                     r = (dim, dim, dim)
                 else:
@@ -102,9 +103,9 @@ def profile_shapes(inputs: Sequence[TensorInfo],
                             f"({dim or 'unnamed'}) and has no range; pass dim_ranges="
                             f"{{{dim or 'name'!r}: (min, opt, max)}} or a profile for "
                             f"{info.name!r}.")
-                for lst, x in zip((lo, opt, hi), r):
+                for lst, x in zip(bounds, r):
                     lst.append(int(x))
-            lo, opt, hi = tuple(lo), tuple(opt), tuple(hi)
+            lo, opt, hi = (tuple(b) for b in bounds)
         _check_profile_entry(info, lo, opt, hi)
         shapes[info.name] = (lo, opt, hi)
     return shapes
@@ -114,10 +115,10 @@ def _dim_range(name: str | None, ranges: Mapping[str, tuple[int, int, int]]) -> 
     if not name:
         return None
     if name in ranges:
-        return tuple(ranges[name])
+        return cast("tuple[int, int, int]", tuple(ranges[name]))
     for key in ranges:
         if name.endswith(f"_{key}"):
-            return tuple(ranges[key])
+            return cast("tuple[int, int, int]", tuple(ranges[key]))
     return None
 
 

@@ -62,12 +62,12 @@ class _SumOverGroup(torch.autograd.Function):
     """Identity forward on several tensors; the backward sums their gradients over ``group`` in one all-reduce."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         flat = [g.reshape(-1) for g in grads if g is not None]
         if len(flat) != len(grads):  # pragma: no cover - every KHA parameter takes part in its forward
             raise KHAError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
@@ -111,7 +111,7 @@ class TensorParallelKHA:
         module = self.kha[role]
         group = self._kha_tp_group
         names, tensors = zip(*module.named_parameters())
-        local = [p.to_local() if is_dtensor(p) else p for p in tensors]  # type: ignore[attr-defined]
+        local = [p.to_local() if is_dtensor(p) else p for p in tensors]
         params = dict(zip(names, _SumOverGroup.apply(group, *local)))  # one all-reduce per transform
         if isinstance(module, KHALinearTransform):  # the two built-in kinds without functional_call's overhead
             return lambda x: x @ params["weight"]

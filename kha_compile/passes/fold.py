@@ -34,7 +34,7 @@ def _stored(module: nn.Module, name: str) -> Tensor:
     """The stored tensor behind ``name`` (dotted, relative to ``module``), not a parametrized view of it."""
     owner_path, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
-    stored = owner._parameters.get(attr)
+    stored: Tensor | None = owner._parameters.get(attr)
     if stored is None:
         stored = owner._buffers.get(attr)
     if stored is None:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Node
@@ -144,13 +144,14 @@ class MatchGraph:
     # -- projections ---------------------------------------------------------------------
     def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
         """(param name, feature map) when ``node`` is a parameter seen through layout ops."""
-        chain = []
+        chain: list[tuple[Node, Node]] = []  # (layout op, its data input)
         cur = node
         while cur.op == "call_function":
-            if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+            src = cur.args[0] if cur.args else None
+            if cur.target not in LAYOUT_OPS or not isinstance(src, Node):
                 return None
-            chain.append(cur)
-            cur = cur.args[0]
+            chain.append((cur, src))
+            cur = src
         if cur.op != "placeholder" or cur.name not in self.params:
             return None
         name = self.params[cur.name]
@@ -164,8 +165,7 @@ class MatchGraph:
         rows = torch.arange(shape[0]).unsqueeze(1).expand(shape)
         cols = torch.arange(shape[1]).unsqueeze(0).expand(shape)
         try:
-            for op in reversed(chain):
-                src = op.args[0]
+            for op, src in reversed(chain):
                 rows = push_layout(rows, op, src, self.constants)
                 cols = push_layout(cols, op, src, self.constants)
         except (_NotLayout, RuntimeError, IndexError, TypeError):
@@ -354,13 +354,14 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
     shared = False
     for i in range(len(chain) - 2, -1, -1):
         nxt, cur = chain[i + 1], chain[i]
-        if cur in g.writes.get(nxt, ()) and shape_of(cur) and shape_of(nxt) and shape_of(cur)[-1] < shape_of(nxt)[-1]:
-            expect[i] = shape_of(cur)[-1]  # written into a last-axis slice of a buffer
+        cur_shape, nxt_shape = shape_of(cur), shape_of(nxt)
+        if cur in g.writes.get(nxt, ()) and cur_shape and nxt_shape and cur_shape[-1] < nxt_shape[-1]:
+            expect[i] = cur_shape[-1]  # written into a last-axis slice of a buffer
             shared = True
-        elif nxt.target is aten.cat.default and cur in nxt.args[0] and shape_of(cur) and shape_of(nxt) \
-                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(shape_of(nxt)) - 1) \
-                and shape_of(cur)[-1] != shape_of(nxt)[-1]:
-            expect[i] = shape_of(cur)[-1]
+        elif nxt.target is aten.cat.default and cur in cast(list, nxt.args[0]) and cur_shape and nxt_shape \
+                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1) \
+                and cur_shape[-1] != nxt_shape[-1]:
+            expect[i] = cur_shape[-1]
             shared = True
         else:
             expect[i] = expect[i + 1]
@@ -410,7 +411,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
     frontier = [proj.input_node]
     seen = set()
     for _ in range(depth):
-        nxt = []
+        nxt: list[Node] = []
         for n in frontier:
             if n in seen or n.op != "call_function":
                 continue
@@ -465,10 +466,14 @@ def find_sites(exported) -> list[RawSite]:
             if not projs:
                 problems.append(f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else ""))
                 continue
-            matches, whys = [], []
+            matches: list[RoleMatch] = []
+            whys: list[str] = []
             for proj in projs:
                 m, w = _role_match(g, role, target, dims[role], proj)
-                (matches if m else whys).append(m or w)
+                if m is not None:
+                    matches.append(m)
+                else:
+                    whys.append(w)
             if not matches:
                 problems.append("; ".join(whys))
                 continue

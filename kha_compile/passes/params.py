@@ -21,11 +21,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.fx import Node
+from torch.fx.node import Argument
 
 from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
 
@@ -88,9 +89,12 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     if out_shape is None:
         return []
     t = node.target
+    x: Argument
+    w: Argument
     if t is aten.einsum.default:
-        operands = node.args[1]
-        if len(operands) != 2 or not all(isinstance(o, Node) for o in operands):
+        raw = node.args[1]
+        operands = [o for o in raw if isinstance(o, Node)] if isinstance(raw, (list, tuple)) else []
+        if len(operands) != 2 or len(cast(list, raw)) != 2:
             return []
         cands = []
         for wi in (1, 0):
@@ -99,7 +103,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
             if ws is None or xs is None:
                 continue
             try:
-                specs, out = _eq_operands(node.args[0], [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
+                specs, out = _eq_operands(cast(str, node.args[0]), [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
             except _NotLayout:
                 return []
             wspec = specs[wi]
@@ -113,7 +117,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
         ws = shape_of(w)
         if not isinstance(w, Node) or not isinstance(x, Node) or ws is None:
             return []
-        dims_b = [d % len(ws) for d in node.args[3]]
+        dims_b = [d % len(ws) for d in cast("list[int]", node.args[3])]
         axes = tuple(i for i in range(len(ws)) if i not in dims_b)
         feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes])
         lead = len(out_shape) - len(axes)
@@ -125,7 +129,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     else:  # mm, matmul: x @ w
         x, w = node.args[0], node.args[1]
         ws = shape_of(w)
-        if ws is None or len(ws) < 2 or not isinstance(w, Node):
+        if ws is None or len(ws) < 2 or not isinstance(w, Node) or not isinstance(x, Node):
             return []
         axes = tuple(i for i in range(len(ws)) if i != len(ws) - 2)
         if len(ws) > 2:  # a batched weight (..., d, n): output (..., m, n) with the weight's batch axes
@@ -172,13 +176,14 @@ def root_param(node: Any, params: dict[str, str]) -> Node | None:
 def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
                   ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
     """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
-    chain = []
+    chain: list[tuple[Node, Node]] = []  # (layout op, its data input)
     cur = node
     while cur.op == "call_function":
-        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+        src = cur.args[0] if cur.args else None
+        if cur.target not in LAYOUT_OPS or not isinstance(src, Node):
             return None
-        chain.append(cur)
-        cur = cur.args[0]
+        chain.append((cur, src))
+        cur = src
     if cur.op != "placeholder" or cur.name not in params:
         return None
     shape = shape_of(cur)
@@ -190,8 +195,8 @@ def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tenso
         view[a] = n
         idx = torch.arange(n).reshape(view).expand(shape)
         try:
-            for op in reversed(chain):
-                idx = push_layout(idx, op, op.args[0], constants)
+            for op, src in reversed(chain):
+                idx = push_layout(idx, op, src, constants)
         except (_NotLayout, RuntimeError, IndexError, TypeError):
             return None
         if not isinstance(idx, Tensor):
@@ -254,14 +259,16 @@ def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str]
     if node.target in _ZERO_OPS:
         return torch.full(shape, -1, dtype=torch.long)
     if node.target is aten.cat.default:
-        parts = [_global_positions(p, params, buffers, table, depth + 1) for p in node.args[0]]
-        if any(p is None for p in parts):
+        inputs = cast("list[Node]", node.args[0])
+        parts = [_global_positions(p, params, buffers, table, depth + 1) for p in inputs]
+        found = [p for p in parts if p is not None]
+        if len(found) != len(parts):
             return None
-        return torch.cat(parts, dim=node.args[1] if len(node.args) > 1 else 0)
+        return torch.cat(found, dim=cast(int, node.args[1]) if len(node.args) > 1 else 0)
     if node.target in LAYOUT_OPS or node.target in IDENTITY_OPS:
         src = node.args[0] if node.args else None
         inner = _global_positions(src, params, buffers, table, depth + 1)
-        if inner is None:
+        if inner is None or not isinstance(src, Node):
             return None
         try:
             return push_layout(inner, node, src, {})

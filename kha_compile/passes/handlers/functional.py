@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -186,9 +186,10 @@ def add_role(entry: Any, role: str, m: RoleMatch, kind: str) -> None:
                 owner, attr = _owner_attr(path)
                 params.append((_relative(home, owner) or "", attr, slot))
     else:
-        axes, positions, post = _call_plan(m)
+        axes, positions, post = _call_plan(m)  # refuses a projection without an output index
         owner, attr = _owner_attr(m.projection.param)
-        call = (_relative(home, owner) or "", attr, m.projection.occurrence, int(m.projection.out_index.dim()),
+        ndim = int(cast(Tensor, m.projection.out_index).dim())
+        call = (_relative(home, owner) or "", attr, m.projection.occurrence, ndim,
                 axes, positions, post)
     extra.roles[role] = RolePlan(kind, m.head_map.head_dim, params, call)
     entry.kinds[role] = kind
@@ -254,7 +255,7 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
 def _unlink(home: nn.Module, roles: set[str] | None = None) -> None:
     """Drop the parametrizations and calls of ``home``'s transforms (of ``roles``, or all)."""
     kha = home._modules.get("kha")
-    if kha is None:
+    if not isinstance(kha, KHATransforms):
         return
     gone = [t for r, t in kha.items() if roles is None or r in roles]
     for mod in home.modules():
@@ -287,7 +288,7 @@ def fold(module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
     attribute access, which returns the parametrized value.
     """
     kha = module._modules.get("kha")
-    wanted = [kha[r] for r in roles if kha is not None and r in kha and kha[r].kind == "linear"]
+    wanted = [kha[r] for r in roles if isinstance(kha, KHATransforms) and r in kha and kha[r].kind == "linear"]
     out = []
     for path, mod in module.named_modules():
         pslots = mod.__dict__.get("_kha_pslots") if is_kha_functional(mod) else None
