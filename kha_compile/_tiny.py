@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import KHAError
+from .errors import MissingDependencyError, ModelLoadError
 
 __all__ = ["HEADS", "HEAD_DIM", "HIDDEN", "LAYERS", "TINY_MODELS", "VOCAB", "make"]
 
@@ -34,7 +34,7 @@ def _hf(model_cls: str, config_cls: str, **config: Any) -> nn.Module:
     try:
         import transformers
     except ImportError as e:
-        raise KHAError("the tiny models are transformers models: pip install 'kha-compile[hf]'") from e
+        raise MissingDependencyError("the tiny models are transformers models: pip install 'kha-compile[hf]'") from e
     cfg = getattr(transformers, config_cls)(**config)
     return getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa")
 
@@ -71,7 +71,7 @@ def make(name: str) -> nn.Module:
     try:
         factory = TINY_MODELS[name]
     except KeyError:
-        raise KHAError(f"unknown tiny model {name!r}; choose one of {', '.join(sorted(TINY_MODELS))}.") from None
+        raise ModelLoadError(f"unknown tiny model {name!r}; choose one of {', '.join(sorted(TINY_MODELS))}.") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = factory()

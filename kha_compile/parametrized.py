@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import KHAError
+from .errors import InternalError, TracedPathError
 
 __all__ = [
     "KHAFunctional",
@@ -76,7 +76,7 @@ def fold_param(value: Tensor, slots: list[tuple[ParamSlot, Tensor]]) -> Tensor:
     m = moved.reshape(-1, int(torch.Size(moved.shape[nd - len(axes):]).numel()))  # (contracted, out)
     for slot, t in slots:
         if slot.axes != axes:
-            raise KHAError(f"slots over different axes {slot.axes} and {axes} of one parameter; this is a bug.")
+            raise InternalError(f"slots over different axes {slot.axes} and {axes} of one parameter; this is a bug.")
         idx = slot.index.to(m.device)
         cols = m.index_select(1, idx.reshape(-1)).reshape(m.shape[0], *idx.shape)  # (C, H, Dh)
         new = cols @ t.to(m.dtype)
@@ -135,7 +135,7 @@ def _flat(args: Any) -> list[Any]:
 def _apply_call(y: Tensor, call: ProjectionCall) -> Tensor:
     """Apply each role's transform to its head positions of a projection output ``y``."""
     if y.dim() != call.ndim:
-        raise KHAError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
+        raise TracedPathError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
                        "traced; re-run kc.apply with example inputs that take this code path.")
     nd = y.dim()
     perm = [a for a in range(nd) if a not in call.feature_axes] + list(call.feature_axes)
@@ -261,7 +261,7 @@ class KHAFunctional(nn.Module):
             with mode:
                 out = super().forward(*args, **kwargs)
             if mode.done != len(calls):
-                raise KHAError(f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
+                raise TracedPathError(f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
                                "did not run in this forward (a code path other than the traced one); re-apply KHA "
                                "with example inputs that take this path.")
             return out

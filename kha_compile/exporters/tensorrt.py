@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import ExportError, KHAError
+from ..errors import EngineError, ExportError
 from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
 from .tensorrt_plugin import (
     _PLUGIN_DTYPES,
@@ -385,7 +385,7 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     runtime = trt.Runtime(_trt_logger(trt))
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
-        raise KHAError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
+        raise EngineError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
                        f"TensorRT version or GPU?).")
     dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
               trt.DataType.BF16: torch.bfloat16, trt.DataType.INT32: torch.int32,
@@ -395,7 +395,7 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     in_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
     missing = sorted(set(in_names) - set(inputs))
     if missing:
-        raise KHAError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
+        raise EngineError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
     context = engine.create_execution_context()
     keep: dict[str, torch.Tensor] = {}
     for name in in_names:
@@ -414,6 +414,6 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     stream.wait_stream(torch.cuda.current_stream())         # the copies above ran there
     with torch.cuda.stream(stream):
         if not context.execute_async_v3(stream.cuda_stream):
-            raise KHAError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
+            raise EngineError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
     stream.synchronize()
     return {name: t.cpu() for name, t in outputs.items()}

@@ -168,7 +168,7 @@ def test_inspect_peft_model_reports_wrappers():
 def test_apply_on_merged_adapters_refused():
     p = _lora(_tiny.make("tiny-llama"))
     p.merge_adapter()
-    with pytest.raises(kc.KHAError, match="merged"):
+    with pytest.raises(kc.errors.UnsupportedModelError, match="merged"):
         kc.apply(p, LINEAR)
     assert not kha_params(p)
 

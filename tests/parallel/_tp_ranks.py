@@ -189,7 +189,7 @@ def main_tp():
     model = make("tiny-llama", MLP, num_key_value_heads=1)
     try:
         kc.parallelize(model, mesh, llama_plan(model))
-    except kc.KHAError as e:
+    except kc.errors.TensorParallelError as e:
         assert "split across ranks" in str(e) and "divides" in str(e), e
     else:
         raise AssertionError("MQA over 2 ranks was not refused")

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import FoldError, KHAError
+from ...errors import FoldError, NoKHATransformsError, UnsupportedModelError
 from ...modules import (
     HeadSlot,
     KHAProjection,
@@ -114,7 +114,7 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     wrappers = [m for m in model.modules() if accepts(m)]
     merged = [type(m).__name__ for m in wrappers if getattr(m, "merged", False)]
     if merged:
-        raise KHAError(f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
+        raise UnsupportedModelError(f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
                        "unmerged (call peft_model.unmerge_adapter()) or fully merged and unloaded "
                        "(peft_model.merge_and_unload()) first.")
     saved = [(m, m.__dict__.get("_disable_adapters")) for m in wrappers]
@@ -394,7 +394,7 @@ def mark_trainable(model: nn.Module, trainable: bool = True) -> nn.Module:
             p.requires_grad_(trainable)
             count += 1
     if not count:
-        raise KHAError(f"{type(model).__name__} carries no KHA parameters; call kc.apply(model) first.")
+        raise NoKHATransformsError(f"{type(model).__name__} carries no KHA parameters; call kc.apply(model) first.")
     return model
 
 

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ...errors import FoldError, KHAError
+from ...errors import AlreadyAppliedError, FoldError, InternalError
 from ...modules import KHATransforms, is_kha_projection, make_transform, transforms_of
 from ...parametrized import (
     ParamSlot,
@@ -154,7 +154,7 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     """(feature axes, (H, Dh) positions in the flattened output, bias added after the op)."""
     idx = m.projection.out_index
     if idx is None:  # pragma: no cover - every projection carries it
-        raise KHAError("projection without an output index; this is a bug")
+        raise InternalError("projection without an output index; this is a bug")
     axes = tuple(a for a in range(idx.dim()) if idx.shape[a] > 1 and bool((idx != idx.narrow(a, 0, 1)).any()))
     moved = idx.movedim(axes, tuple(range(idx.dim() - len(axes), idx.dim())))
     feats = moved.reshape(-1, int(torch.Size([idx.shape[a] for a in axes]).numel()))[0]  # position -> feature
@@ -221,7 +221,7 @@ def describe(model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[st
 
 def _switch(module: nn.Module) -> None:
     if is_kha_projection(module) or isinstance(module, nn.MultiheadAttention):
-        raise KHAError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
+        raise AlreadyAppliedError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
                        "parametrize its parameters.")
     if not is_kha_functional(module):
         module.__class__ = functional_class_for(type(module))

@@ -65,7 +65,7 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
     kc.apply(model, MLP, example_args=(x,))
     attn = model.blocks[0].attn
     attn.__dict__["_kha_calls"][0].occurrence = 5  # as if the forward took another path than the traced one
-    with pytest.raises(kc.KHAError, match="did not run in this forward"):
+    with pytest.raises(kc.errors.TracedPathError, match="did not run in this forward"):
         model(x)
 
 
