@@ -44,7 +44,7 @@ def require(name: str, extra: str) -> Any:
 def load_model(spec: str) -> tuple[nn.Module, str]:
     """Load MODEL as the CLI understands it; returns ``(model, display name)``.
 
-    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile._tiny`), ``minilm`` (the
+    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile.tiny`), ``minilm`` (the
     embedded all-MiniLM-L6-v2 as a SentenceTransformer) or a directory holding a transformers model
     (``config.json``) or a sentence-transformers model (``modules.json``).
 
@@ -52,13 +52,13 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
 
         model, name = load_model("tiny-llama")
     """
-    from .. import _tiny
+    from .. import tiny
 
-    if spec in _tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
+    if spec in tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
         require("transformers", "hf")
         quiet_transformers()
-    if spec in _tiny.TINY_MODELS:
-        return _tiny.make(spec), spec
+    if spec in tiny.TINY_MODELS:
+        return tiny.make(spec), spec
     if spec == MINILM:
         return load_minilm(), "all-MiniLM-L6-v2"
     path = pathlib.Path(spec)

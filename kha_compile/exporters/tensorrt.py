@@ -23,11 +23,11 @@ from typing import Any, cast
 import torch
 
 from ..errors import EngineError, ExportError
-from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
+from .onnx import PLUGIN_ID, TensorInfo, check_destination, onnx_summary
 from .tensorrt_plugin import (
-    _PLUGIN_DTYPES,
-    _import_tensorrt,
+    PLUGIN_DTYPE_NAMES,
     aot_registered,
+    import_tensorrt,
     mlp_value_output_dtype,
     mlp_value_output_shape,
     register_mlp_value_plugin,
@@ -185,7 +185,7 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
     """
     summary = onnx_summary(onnx_path)
     for info in summary.inputs:
-        if info.dtype in _PLUGIN_DTYPES:
+        if info.dtype in PLUGIN_DTYPE_NAMES:
             return info.dtype
     import onnx
 
@@ -276,11 +276,11 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
     if not onnx_path.is_file():
         raise ExportError(f"TensorRT export: the ONNX file {str(onnx_path)!r} does not exist; "
                           f"write it with kc.export_onnx first.")
-    engine_path = _check_destination(engine_path, what="the TensorRT engine")
+    engine_path = check_destination(engine_path, what="the TensorRT engine")
     summary = onnx_summary(onnx_path)
     shapes = profile_shapes(summary.inputs, _merge_profile(profile, min_shapes, opt_shapes, max_shapes),
                             dim_ranges)
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     plan = build_plan(precision, onnx_float_dtype(onnx_path), hasattr(trt.BuilderFlag, "FP16"))
     register_mlp_value_plugin()
 
@@ -379,7 +379,7 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
 
         out = run_engine("model.engine", {"x": torch.randn(2, 16, 64)})
     """
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     register_mlp_value_plugin()
     engine_path = pathlib.Path(engine_path)
     runtime = trt.Runtime(_trt_logger(trt))

@@ -200,10 +200,10 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
     import torch
 
     from .mlp_value import (
-        _config_class,
-        _padded_d,
+        config_class,
         configs_for,
         launch_supported,
+        padded_d,
         triton_supports,
     )
 
@@ -217,14 +217,14 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
         for d in head_dims:
             if not triton_supports(d, tdtype):
                 continue
-            D = _padded_d(d)
+            D = padded_d(d)
             launches = [("fwd", "fwd")] + ([("bwd_fused", "fused")] if D <= 64 else
                                            [("bwd_dv", "dv"), ("bwd_dw", "dw")])
             for kernel, kind in launches:
                 direction = "forward" if kind == "fwd" else "backward"
                 if kernel not in kernels or not launch_supported(direction, d, tdtype, cc):
                     continue
-                for bm, bn, warps, stages in configs_for(kind, _config_class(kind, D, tdtype), D, cc):
+                for bm, bn, warps, stages in configs_for(kind, config_class(kind, D, tdtype), D, cc):
                     out.append(KernelVariant(kernel, dtype, d, bm, bn if kernel == "bwd_dw" else None,
                                              warps, stages))
     return out

@@ -85,12 +85,15 @@ from ..errors import BackendUnavailableError, OpInputError
 __all__ = [
     "MAX_D",
     "MAX_D_FP32",
+    "capability",
+    "config_class",
     "configs_for",
     "is_triton_build_error",
     "launch_supported",
     "mlp_value_triton",
     "mlp_value_triton_backward",
     "mlp_value_triton_forward",
+    "padded_d",
     "triton_available",
     "triton_supports",
 ]
@@ -259,12 +262,13 @@ def launch_supported(direction: str, d: int, dtype: torch.dtype, cc: int | None)
 
         launch_supported("backward", 128, torch.bfloat16, 80)    # False: cuBLAS runs it on sm_80
     """
-    D = _padded_d(d)
+    D = padded_d(d)
     kinds = ["fwd"] if direction == "forward" else (["fused"] if D <= 64 else ["dv", "dw"])
-    return all(configs_for(k, _config_class(k, D, dtype), D, cc) for k in kinds)
+    return all(configs_for(k, config_class(k, D, dtype), D, cc) for k in kinds)
 
 
-def _config_class(kind: str, D: int, dtype: torch.dtype) -> str:
+def config_class(kind: str, D: int, dtype: torch.dtype) -> str:
+    """The tuning-config class of a ``kind`` launch at padded head size ``D``: "fp32", "16bit" or "16bit-d128"."""
     if dtype == torch.float32:
         return "fp32"
     return "16bit-d128" if kind == "fwd" and D >= 128 else "16bit"
@@ -332,7 +336,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _padded_d(d: int) -> int:
+def padded_d(d: int) -> int:
+    """The head size the kernels compute with: ``d`` rounded up to a power of two (at least the dot minimum)."""
     return max(_MIN_DOT, _next_pow2(d))
 
 
@@ -405,7 +410,7 @@ def _launch(
 
     ``grid(meta)`` maps the launch's meta-parameters (BLOCK_M, BLOCK_N) to the grid.
     """
-    tuner = ks.tuner(kind, cls, configs_for(kind, cls, meta["D"], _capability())) if ks.autotune else None
+    tuner = ks.tuner(kind, cls, configs_for(kind, cls, meta["D"], capability())) if ks.autotune else None
     if tuner is not None and block_m is None and (kind != "dw" or block_n is None):
         # "fwd" has no BLOCK_N; "dw" tunes it; "fused"/"dv" take the whole hidden axis.
         tuner[grid](*args, **meta, **({"BLOCK_N": block_n} if kind in ("fused", "dv") else {}))
@@ -440,7 +445,7 @@ def mlp_value_triton_forward(
     v = _rows(v)
     w_up, w_gate, w_down = w_up.contiguous(), w_gate.contiguous(), w_down.contiguous()
     interpret = _interpret_mode()
-    D = _padded_d(d)
+    D = padded_d(d)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
     args = (v, w_up, w_gate, w_down, y, M, v.stride(0), y.stride(0), _m_bucket(M))
     max_p = _max_programs(v.device)
@@ -449,7 +454,7 @@ def mlp_value_triton_forward(
         return (min(_cdiv(M, m["BLOCK_M"]), max_p),)
 
     with _on_device(v.device):
-        _launch(_kernels(interpret), "fwd", _config_class("fwd", D, v.dtype), grid, args, meta, block_m)
+        _launch(_kernels(interpret), "fwd", config_class("fwd", D, v.dtype), grid, args, meta, block_m)
     return y
 
 
@@ -471,7 +476,7 @@ def mlp_value_triton_backward(
     _check("mlp_value_triton_backward", v, w_up, w_gate, w_down, grad=grad_out)
     _require_backend(v.device)
     M, d = v.shape
-    D = _padded_d(d)
+    D = padded_d(d)
     if M == 0:
         z = torch.zeros((d, d), dtype=v.dtype, device=v.device)
         return torch.empty_like(v), z, z.clone(), z.clone()
@@ -481,7 +486,7 @@ def mlp_value_triton_backward(
 
     interpret = _interpret_mode()
     ks = _kernels(interpret)
-    cls = _config_class("bwd", D, v.dtype)
+    cls = config_class("bwd", D, v.dtype)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
     max_p = _max_programs(v.device)
     # Row groups of the weight-gradient launch: fixed here, since the workspace is sized by it; a
@@ -510,7 +515,7 @@ def mlp_value_triton_backward(
     return grad_v, dw[0], dw[1], dw[2]
 
 
-def _capability() -> int | None:
+def capability() -> int | None:
     """Compute capability of the current CUDA device (e.g. 90), None without one."""
     if not torch.cuda.is_available():
         return None

@@ -137,7 +137,7 @@ def _use_triton(kind: str, v: Tensor) -> bool:
         (kind, d, v.dtype) not in _TRITON_BROKEN
         and kernels.triton_supports(d, v.dtype)
         and kernels.triton_available()
-        and kernels.launch_supported(kind, d, v.dtype, kernels._capability())
+        and kernels.launch_supported(kind, d, v.dtype, kernels.capability())
     )
 
 

@@ -24,7 +24,7 @@ from .layout import slot_from_map
 from .match import RawSite, RoleMatch
 from .trace import Capture
 
-__all__ = ["MLA_NOTE", "PlanEntry", "build_sites", "insert", "kha_modules"]
+__all__ = ["MLA_NOTE", "PlanEntry", "build_sites", "current_transforms", "insert", "kha_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: K
                 head_dim=q.head_map.head_dim, v_head_dim=v.head_map.head_dim,
                 q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
                 qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
-            _current_transforms(model, site, paths)
+            current_transforms(model, site, paths)
             notes = [h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
                      for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()]
             site.note = "; ".join(x for x in (site.note, *notes) if x)
@@ -130,7 +130,7 @@ def _name(handler: ProjectionHandler | None) -> str:
     return handler.name
 
 
-def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
+def current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
     """Fill ``site.transforms`` with what the model carries now (after apply)."""
     for r in "qkv":
         try:

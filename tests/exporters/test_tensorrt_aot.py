@@ -104,7 +104,7 @@ def test_plugin_kernel_computes_mlp_value_with_that_grid(monkeypatch, shape):
     block_m = 16
     kernel = km._build_kernels(interpret=True, autotune=False).fwd_plugin
     args = dict(zip(taot.PLUGIN_ARGS, (v, *ws, M, y)))
-    kernel[taot.launch_grid(M, block_m)](*(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km._padded_d(d),
+    kernel[taot.launch_grid(M, block_m)](*(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km.padded_d(d),
                                           BLOCK_M=block_m, PRECISION="ieee")
     torch.testing.assert_close(y, mlp_value_reference(v, *ws), rtol=1e-5, atol=1e-5)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.tensor  # before kha_compile: then its import registers mlp_value's DTensor rule
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile import tiny
 
 TOL = 1e-5
 
@@ -72,9 +72,9 @@ def make(name, cfg, **llama):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        model = LlamaForCausalLM._from_config(LlamaConfig(**_tiny._DECODER, **llama), attn_implementation="sdpa")
+        model = LlamaForCausalLM._from_config(LlamaConfig(**tiny.DECODER, **llama), attn_implementation="sdpa")
     else:
-        model = _tiny.make(name)
+        model = tiny.make(name)
     model.train()
     kc.apply(model, cfg)
     perturb(model)

@@ -153,7 +153,7 @@ def retarget(model: nn.Module, plan: list, sites: list) -> None:
         new = outer(entry.module_path)
         if new != entry.module_path and entry.handler in ("linear", "conv1d"):
             entry.module_path, entry.handler = new, "adapter"
-    from ..insert import _current_transforms
+    from ..insert import current_transforms
 
     for site in sites:
         paths = {}
@@ -163,7 +163,7 @@ def retarget(model: nn.Module, plan: list, sites: list) -> None:
                 paths[role] = outer(value)
                 setattr(site, f"{role}_proj", paths[role])
         if len(paths) == 3 and getattr(site, "status", "") == "matched":
-            _current_transforms(model, site, paths)
+            current_transforms(model, site, paths)
 
 
 class KHAAdapterProjection(KHAProjection):
