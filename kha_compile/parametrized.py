@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .errors import InternalError, TracedPathError
+from .mixins import mixin_class
 
 __all__ = [
     "KHAFunctional",
@@ -270,21 +271,12 @@ class KHAFunctional(nn.Module):
                 m.__dict__.pop("_kha_cache", None)
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
 def functional_class_for(base_cls: type) -> type:
     """The ``KHAFunctional<Base>`` subclass of a module class (created once)."""
     if issubclass(base_cls, KHAFunctional):
         return base_cls
-    cls = _CLASS_CACHE.get(base_cls)
-    if cls is None:
-        name = f"KHAFunctional{base_cls.__name__}"
-        cls = type(name, (KHAFunctional, base_cls), {"__module__": __name__, "__qualname__": name,
-                                                     "_kha_base_class": base_cls})
-        _CLASS_CACHE[base_cls] = cls
-        globals().setdefault(name, cls)
-    return cls
+    return mixin_class(KHAFunctional, base_cls, f"KHAFunctional{base_cls.__name__}", __name__,
+                       _kha_base_class=base_cls)
 
 
 def is_kha_functional(module: Any) -> bool:

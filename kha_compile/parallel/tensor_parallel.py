@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ShardedModelError, TensorParallelError, UnsupportedModelError
+from ..mixins import mixin_class
 from ..modules import (
     HeadSlot,
     KHALinearTransform,
@@ -120,19 +121,10 @@ class TensorParallelKHA:
         return lambda x: torch.func.functional_call(module, params, (x,))
 
 
-_TP_CLASSES: dict[type, type] = {}
-
-
 def _tp_class(cls: type) -> type:
     if issubclass(cls, TensorParallelKHA):
         return cls
-    tp = _TP_CLASSES.get(cls)
-    if tp is None:
-        name = f"TP{cls.__name__}"
-        tp = type(name, (TensorParallelKHA, cls), {"__module__": __name__, "__qualname__": name})
-        _TP_CLASSES[cls] = tp
-        globals().setdefault(name, tp)  # findable by name (pickle) in this process
-    return tp
+    return mixin_class(TensorParallelKHA, cls, f"TP{cls.__name__}", __name__)
 
 
 def _local_features(weight: Tensor, out_axis: int) -> Tensor | None:

@@ -20,7 +20,16 @@ import torch
 from torch.fx import Node
 
 from .layout import LAYOUT_OPS, HeadMap, _NotLayout, push_layout, read_head_map, shape_of
-from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
+from .params import (
+    PROJ_TARGETS,
+    ParamPiece,
+    bias_pieces,
+    param_chain,
+    post_bias,
+    projection_info,
+    root_param,
+    weight_source,
+)
 from .rules import Anchor, attention_rules
 from .rules.manual_softmax import SOFTMAX_OPS
 from .rules.sdpa import SDPA_OPS
@@ -144,16 +153,10 @@ class MatchGraph:
     # -- projections ---------------------------------------------------------------------
     def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
         """(param name, feature map) when ``node`` is a parameter seen through layout ops."""
-        chain: list[tuple[Node, Node]] = []  # (layout op, its data input)
-        cur = node
-        while cur.op == "call_function":
-            src = cur.args[0] if cur.args else None
-            if cur.target not in LAYOUT_OPS or not isinstance(src, Node):
-                return None
-            chain.append((cur, src))
-            cur = src
-        if cur.op != "placeholder" or cur.name not in self.params:
+        found = param_chain(node, self.params)
+        if found is None:
             return None
+        cur, chain = found
         name = self.params[cur.name]
         if ".kha." in f".{name}":
             return None  # KHA's own transforms are not projections

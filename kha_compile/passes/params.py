@@ -30,7 +30,16 @@ from torch.fx.node import Argument
 
 from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
 
-__all__ = ["PROJ_TARGETS", "ParamPiece", "bias_pieces", "post_bias", "projection_info", "root_param", "weight_source"]
+__all__ = [
+    "PROJ_TARGETS",
+    "ParamPiece",
+    "bias_pieces",
+    "param_chain",
+    "post_bias",
+    "projection_info",
+    "root_param",
+    "weight_source",
+]
 
 aten = torch.ops.aten
 
@@ -161,31 +170,44 @@ def _einsum_index(wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: s
     return feats.reshape(shape).expand(out_shape)
 
 
-def root_param(node: Any, params: dict[str, str]) -> Node | None:
-    """The parameter placeholder behind ``node`` through layout ops, or None."""
+def param_chain(node: Any, params: dict[str, str]) -> tuple[Node, list[tuple[Node, Node]]] | None:
+    """(the parameter placeholder behind ``node``, the layout ops on the way as (op, its data input)).
+
+    Walks back from ``node`` through layout ops only; None when another op is on the way or the
+    walk does not end at a parameter. The chain runs from ``node`` back to the parameter.
+
+    Example::
+
+        found = param_chain(weight_node, params)
+        if found is not None:
+            placeholder, chain = found   # chain == [] when weight_node is the parameter itself
+    """
+    chain: list[tuple[Node, Node]] = []
     cur = node
     while isinstance(cur, Node) and cur.op == "call_function":
-        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
-            return None
-        cur = cur.args[0]
-    if isinstance(cur, Node) and cur.op == "placeholder" and cur.name in params:
-        return cur
-    return None
-
-
-def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
-                  ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
-    """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
-    chain: list[tuple[Node, Node]] = []  # (layout op, its data input)
-    cur = node
-    while cur.op == "call_function":
         src = cur.args[0] if cur.args else None
         if cur.target not in LAYOUT_OPS or not isinstance(src, Node):
             return None
         chain.append((cur, src))
         cur = src
-    if cur.op != "placeholder" or cur.name not in params:
+    if isinstance(cur, Node) and cur.op == "placeholder" and cur.name in params:
+        return cur, chain
+    return None
+
+
+def root_param(node: Any, params: dict[str, str]) -> Node | None:
+    """The parameter placeholder behind ``node`` through layout ops, or None."""
+    found = param_chain(node, params)
+    return found[0] if found is not None else None
+
+
+def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
+                  ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
+    """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
+    found = param_chain(node, params)
+    if found is None:
         return None
+    cur, chain = found
     shape = shape_of(cur)
     if shape is None or not shape:
         return None

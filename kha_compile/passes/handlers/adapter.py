@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError, NoKHATransformsError, UnsupportedModelError
+from ...mixins import mixin_class
 from ...modules import (
     HeadSlot,
     KHAProjection,
@@ -181,17 +182,9 @@ class KHAAdapterProjection(KHAProjection):
         return base
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def _adapter_class(base_cls: type) -> type:
-    cls = _CLASSES.get(base_cls)
-    if cls is None:
-        name = f"KHAAdapter{base_cls.__name__}"
-        cls = type(name, (KHAAdapterProjection, base_cls), {"__module__": __name__, "__qualname__": name,
-                                                            "_kha_base_class": base_cls})
-        _CLASSES[base_cls] = cls
-    return cls
+    return mixin_class(KHAAdapterProjection, base_cls, f"KHAAdapter{base_cls.__name__}", __name__,
+                       _kha_base_class=base_cls)
 
 
 def _ref_param(module: Any) -> Tensor | None:
