@@ -20,6 +20,7 @@ from .exporters import export_onnx, export_tensorrt
 from .parallel import parallelize
 from .passes.fold import fold
 from .passes.handlers.adapter import mark_trainable
+from .passes.rules.external import register_attention_op
 from .report import AttentionSite, Report
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "load_pretrained",
     "mark_trainable",
     "parallelize",
+    "register_attention_op",
     "remove",
     "save_pretrained",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .config import KHAConfig
-from .errors import AlreadyAppliedError, KHAConfigError, NoAttentionFoundError
+from .errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
 from .parallel.fsdp import refuse_sharded
 from .parametrized import raw_parameters
 from .passes.handlers import adapter as _adapter
@@ -23,13 +23,26 @@ __all__ = ["analyse", "apply", "inspect", "remove"]
 
 log = logging.getLogger(__name__)
 
+def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
+    """Run one analysis step; an unexpected exception becomes an AnalysisError naming the step."""
+    try:
+        return fn(*args)
+    except KHAError:
+        raise
+    except Exception as exc:  # a bug or an unforeseen graph: never a raw crash, the model is unchanged
+        raise AnalysisError(
+            f"kha_compile failed in the {step} step on {type(model).__name__}: {type(exc).__name__}: {exc}. "
+            "The model is unchanged. Set KHA_MATCH_DEBUG=<node name> for the matcher's decisions, and "
+            "report this with the model's code.") from exc
+
+
 def analyse(model: nn.Module, cfg: KHAConfig | None, example_args, example_kwargs):
     model = _adapter.unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
-    args, kwargs = _example_inputs(model, example_args, example_kwargs)
+    args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
     with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
-        cap = capture(model, args, kwargs)
-    raw = find_sites(cap.exported)
-    sites, plan = build_sites(model, raw, cap, cfg)
+        cap = _step("trace", model, capture, model, args, kwargs)
+    raw = _step("match", model, find_sites, cap.exported)
+    sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
     _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
     return report, plan
@@ -37,11 +50,17 @@ def analyse(model: nn.Module, cfg: KHAConfig | None, example_args, example_kwarg
 
 def _nothing_found(model: nn.Module, report: Report) -> str:
     what = (f"kha_compile found no per-head attention to transform in {type(model).__name__}. It looked for "
-            "aten.scaled_dot_product_attention and softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm) in the "
+            "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention "
+            "and ops registered with kc.register_attention_op in the "
             "torch.export graph and walked q, k, v back to their projections.")
-    if report.skipped:
-        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in report.skipped)
-    else:
+    unknown = [s for s in report.skipped if s.anchor == "unregistered"]
+    known = [s for s in report.skipped if s.anchor != "unregistered"]
+    if known:
+        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known)
+    if unknown:
+        what += ("\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "
+                 "registered:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in unknown))
+    if not report.skipped:
         what += " The graph contains no attention op; check that the example inputs run the attention path."
     return what
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyAppliedError",
+    "AnalysisError",
     "BackendError",
     "BackendOptionError",
     "BackendUnavailableError",
@@ -35,6 +36,7 @@ __all__ = [
     "NoAttentionFoundError",
     "NoKHATransformsError",
     "OpInputError",
+    "RegistrationError",
     "RegistryError",
     "ShardedModelError",
     "TensorParallelError",
@@ -65,6 +67,10 @@ class RegistryError(KHAError, LookupError):
     """A rule or projection-handler name is not registered."""
 
 
+class RegistrationError(KHAError, ValueError):
+    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
+
+
 class MissingExampleInputsError(KHAError, TypeError):
     """A non-transformers model was given without example inputs."""
 
@@ -82,6 +88,10 @@ class CommandError(KHAError, ValueError):
 
 class TraceError(KHAError):
     """torch.export could not capture the model's graph."""
+
+
+class AnalysisError(KHAError):
+    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
 
 
 class NoAttentionFoundError(KHAError):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Demo: apply KHA to an embedded default model, train a few steps, fold, export.
+# Demo: train all-MiniLM-L6-v2 with and without KHA in turns, compare, fold, export.
+# `bash scripts/demo.sh --docs docs` also refreshes the README's pictures (docs/demo_*.png).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$KHA_ROOT"

@@ -92,6 +92,10 @@ def example_inputs(
                 f"kc.apply(model, cfg, example_kwargs={{{main!r}: x}}).")
         if _accepts(model, "use_cache"):
             kwargs["use_cache"] = False
+        if _attn_implementation(model) == "flex_attention":
+            # An all-ones mask adds nothing, and transformers' flex mask builder checks it with a
+            # data-dependent guard (``fast_all(attention_mask)``) that torch.export cannot trace.
+            kwargs.pop("attention_mask", None)
         log.debug("built example inputs for %s: %s", type(model).__name__,
                   {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
         return (), kwargs
@@ -162,6 +166,12 @@ def _vocab_size(config: Any) -> int:
             f"{type(config).__name__} has no vocab_size, so kha_compile cannot build input_ids: "
             f"pass example inputs, e.g. kc.apply(model, cfg, example_kwargs={{'input_ids': ids}}).")
     return int(vocab)
+
+
+def _attn_implementation(model: nn.Module) -> str:
+    """The transformers attention implementation of ``model`` ("sdpa", "flex_attention", ...), or ""."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", "") or "")
 
 
 def _accepts(model: nn.Module, name: str) -> bool:

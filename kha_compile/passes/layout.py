@@ -90,6 +90,9 @@ LAYOUT_OPS.update({
     aten.repeat.default: _call(lambda t, sizes: t.repeat(sizes)),
     aten.repeat_interleave.self_int: _call(lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)),
     operator.getitem: _call(operator.getitem),
+    # complex RoPE (Llama-2 reference code): pairs of features become one complex number and back
+    aten.view_as_complex.default: _call(lambda t: torch.view_as_complex(t.double().contiguous())),
+    aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
 })
 # Ops that keep every feature where it is (casts, copies, dropout, identity-like).
 IDENTITY_OPS = {

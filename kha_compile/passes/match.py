@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 from collections import deque
 from typing import Any, cast
@@ -42,7 +43,7 @@ aten = torch.ops.aten
 _PROJ_OPS = PROJ_TARGETS  # linear, addmm, mm, matmul, einsum, tensordot
 _NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
              aten.native_layer_norm.default, aten.var_mean.correction}
-_TRIG_OPS = {aten.cos.default, aten.sin.default}
+_TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 _COPY_OPS = {aten.copy_.default, aten.copy.default}
 _ALLOC_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.empty_like.default,
               aten.zeros_like.default, aten.ones_like.default, aten.new_full.default, aten.full_like.default}
@@ -370,9 +371,14 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
             expect[i] = expect[i + 1]
     found: HeadMap | None = None
     stop = ""
+    path_set = set(path)
     for i, node in enumerate(chain):
         if i > 0:
             prev = chain[i - 1]
+            if isinstance(idx, tuple):  # a tuple op (split, unbind) whose one used element is not on the chain
+                gets = [u for u in prev.users if u.target is operator.getitem and u in path_set]
+                if len(gets) == 1 and isinstance(gets[0].args[1], int):
+                    idx, prev = idx[gets[0].args[1]], gets[0]
             direct = bool(node.args) and node.args[0] is prev and node.target not in _ALLOC_OPS
             try:
                 if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
@@ -395,8 +401,8 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
         return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (f" ({stop})" if stop else "")
-    path_set = set(path)
-    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set)
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) \
+        or any(n.target is aten.view_as_complex.default for n in path)
     qk_norm = any(n.target in _NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
 

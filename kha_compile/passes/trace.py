@@ -40,6 +40,8 @@ def block_signature(module: nn.Module, ignore: frozenset = frozenset()) -> tuple
 
     ``ignore`` holds (submodule path, attribute) pairs left out, such as a layer index.
     """
+    if module is None:  # a ModuleList may hold None placeholders
+        return (("", "None", ()),)
     parts = []
     for name, sub in module.named_modules():
         attrs = tuple(sorted((k, v) for k, v in _simple_attrs(sub).items() if (name, k) not in ignore))
@@ -55,6 +57,8 @@ def _index_attrs(blocks: nn.ModuleList) -> frozenset:
     """Attributes that hold the block's own position in every block (layer_idx, layer_id, ...)."""
     found = None
     for i, block in enumerate(blocks):
+        if block is None:
+            continue
         here = {(name, k) for name, sub in block.named_modules() for k, v in _simple_attrs(sub).items()
                 if type(v) is int and v == i}
         found = here if found is None else found & here
@@ -146,25 +150,108 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with torch.enable_grad():
-            # Grad on keeps nn.TransformerEncoderLayer / nn.MultiheadAttention off their fused
-            # inference fast paths, so the per-head structure stays visible in the graph.
+        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs):
             try:
                 with _representatives(model, dedupe_blocks) as groups:
-                    ep = _export(model, args, kwargs)
+                    ep = _export_grad_or_not(model, t_args, t_kwargs)
             except TraceError:
                 if not (dedupe_blocks and groups):
                     raise
                 # the model's code depends on its depth in a way the cut-down copy breaks: trace it whole
                 log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
                 groups = {}
-                ep = _export(model, args, kwargs)
+                ep = _export_grad_or_not(model, t_args, t_kwargs)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(was_training)
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
     return Capture(ep, groups, seconds)
+
+
+_NO_BACKWARD = ("does not support backward",)  # e.g. "FlexAttention does not support backward on CPU"
+_REFUSES_GRAD: set[tuple[type, str]] = set()  # (model class, attention implementation) seen refusing grad
+
+
+def _export_grad_or_not(model: nn.Module, args: tuple, kwargs: dict):
+    """Export with grad on; where an op refuses grad (flex_attention on CPU), export without it.
+
+    Grad on keeps nn.TransformerEncoderLayer / nn.MultiheadAttention off their fused inference
+    fast paths, so the per-head structure stays visible in the graph. The analysis never runs a
+    backward, so a model whose forward refuses grad on this platform is traced under no_grad.
+    """
+    key = (type(model), str(getattr(getattr(model, "config", None), "_attn_implementation", "")))
+    if key not in _REFUSES_GRAD:
+        with torch.enable_grad():
+            try:
+                return _export(model, args, kwargs)
+            except TraceError as exc:
+                if not any(text in _causes(exc) for text in _NO_BACKWARD):
+                    raise
+        _REFUSES_GRAD.add(key)  # the next model of this kind goes straight to no_grad
+    log.info("%s refuses grad on this platform; tracing it under no_grad", type(model).__name__)
+    with torch.no_grad():
+        return _export(model, args, kwargs)
+
+
+def _causes(exc: BaseException) -> str:
+    texts = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        texts.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(texts)
+
+
+_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _exportable(value: object) -> bool:
+    """Whether torch.export can take ``value`` as an input: a pytree of tensors and plain values."""
+    from torch.utils import _pytree
+    try:
+        leaves = _pytree.tree_leaves(value)
+    except Exception:  # noqa: BLE001  # a pytree node that cannot be flattened
+        return False
+    return all(isinstance(leaf, _LEAF_TYPES) for leaf in leaves)
+
+
+@contextlib.contextmanager
+def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """Close over the inputs torch.export cannot take (a BlockMask, a dataclass, any object).
+
+    For the analysis those inputs are constants: the model's ``forward`` is wrapped for the
+    duration of the trace, so parameter and module paths stay the model's own. Yields the inputs
+    left to pass to the export.
+    """
+    fixed_args = {i: a for i, a in enumerate(args) if not _exportable(a)}
+    fixed_kwargs = {k: v for k, v in kwargs.items() if not _exportable(v)}
+    if not fixed_args and not fixed_kwargs:
+        yield args, kwargs
+        return
+    log.info("binding %s as constants for the trace of %s (torch.export cannot take them as inputs)",
+             [type(v).__name__ for v in (*fixed_args.values(), *fixed_kwargs.values())], type(model).__name__)
+    forward = model.forward
+    had_own = "forward" in vars(model)
+    n_args = len(args)
+
+    def bound_forward(*a: Any, **kw: Any) -> Any:
+        it = iter(a)
+        full = [fixed_args[i] if i in fixed_args else next(it) for i in range(n_args)]
+        full.extend(it)
+        return forward(*full, **kw, **fixed_kwargs)
+
+    model.forward = bound_forward  # type: ignore[method-assign]
+    try:
+        yield (tuple(a for i, a in enumerate(args) if i not in fixed_args),
+               {k: v for k, v in kwargs.items() if k not in fixed_kwargs})
+    finally:
+        if had_own:
+            model.forward = forward  # type: ignore[method-assign]
+        else:
+            del model.forward
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):

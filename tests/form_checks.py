@@ -1,0 +1,49 @@
+"""The checks every attention form must pass, in a model of two blocks, for both KHA configs.
+
+Example::
+
+    check_form(lambda: TwoBlocks(MyAttention), (x,), v="linear")
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import kha_compile as kc
+from helpers import kha_params, perturb
+
+
+def check_form(make: Callable[[], nn.Module], args: tuple, v: str, sites: int = 2, anchor: str = "",
+               kwargs: dict | None = None, grad: bool = True) -> nn.Module:
+    """apply -> every site matched, exact identity at init, perturbation moves, exact fold (linear).
+
+    ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks).
+    """
+    kwargs = kwargs or {}
+    torch.manual_seed(0)
+    model = make().eval()
+    ctx = torch.enable_grad if grad else torch.no_grad
+    with ctx():
+        ref = model(*args, **kwargs).detach()
+    kc.apply(model, kc.KHAConfig(v=v), example_args=args, example_kwargs=kwargs)
+    report = kc.inspect(model, example_args=args, example_kwargs=kwargs)
+    assert len(report.matched) == sites and not report.skipped, str(report)
+    if anchor:
+        assert {s.anchor for s in report.matched} == {anchor}, str(report)
+    assert all(s.transforms.get("v") == v for s in report.matched), str(report)
+    assert kha_params(model)
+    with ctx():
+        assert torch.equal(model(*args, **kwargs), ref)  # identity at init, exactly
+    perturb(model)
+    with ctx():
+        moved = model(*args, **kwargs).detach()
+    assert (moved - ref).abs().max() > 1e-3
+    if v == "linear":
+        kc.fold(model)
+        assert not kha_params(model)
+        with ctx():
+            folded = model(*args, **kwargs)
+        torch.testing.assert_close(folded, moved, rtol=1e-5, atol=1e-5)
+    return model
