@@ -4,20 +4,29 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from .api import apply, remove
-from .config import KHAConfig, CONFIG_VERSION
+from .config import CONFIG_VERSION, KHAConfig
 from .errors import CheckpointError, KHAError, NoKHATransformsError
-from .passes.handlers.adapter import canonical_name
+from .modules import transforms_of
 from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
+from .passes.handlers.adapter import canonical_name
 from .passes.insert import kha_modules
 
-__all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
-           "WEIGHTS_NAME", "CONFIG_NAME"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "checkpoint_misfit",
+    "config_of",
+    "kha_state",
+    "load_pretrained",
+    "read_checkpoint",
+    "save_pretrained",
+]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +38,9 @@ def config_of(model: nn.Module) -> dict[str, Any]:
     """The KHAConfig that reproduces the model's transforms (MLA sites carry v='linear' under v='mlp')."""
     roles: dict[str, str] = {}
     for _, module in kha_modules(model):
-        for role, t in module.kha.items():
+        for role, t in transforms_of(module).items():
             if roles.get(role) != "mlp":
-                roles[role] = t.kind
+                roles[role] = str(t.kind)
     return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v")}
 
 
@@ -124,7 +133,7 @@ def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:
     return "; ".join(parts)
 
 
-def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: Optional[dict] = None
+def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: dict | None = None
                     ) -> nn.Module:
     """Re-apply KHA to a fresh ``model`` as saved in ``directory`` and load its weights.
 
