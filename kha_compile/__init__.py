@@ -10,22 +10,39 @@ from __future__ import annotations
 
 import logging
 
-from .config import KHAConfig
-from .errors import KHAError
-from . import ops  # registers torch.ops.kha.*
+# ops registers torch.ops.kha.*; backend registers the torch.compile backend "kha" (lazily), kc.backend(...)
+from . import backend, ops  # noqa: F401
 from .api import apply, inspect, remove
 from .checkpoint import load_pretrained, save_pretrained
-from .passes.fold import fold
-from .passes.rules.external import register_attention_op
-from .passes.handlers.adapter import mark_trainable
-from .parallel import parallelize
+from .config import KHAConfig
+from .errors import KHAError
 from .exporters import export_onnx, export_tensorrt
+from .parallel import parallelize
+from .passes.fold import fold
+from .passes.handlers.adapter import mark_trainable
+from .passes.rules.external import register_attention_op
 from .report import AttentionSite, Report
-from . import backend  # registers the torch.compile backend "kha" (lazily); kc.backend(...) is callable
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["KHAConfig", "KHAError", "apply", "inspect", "fold", "remove", "parallelize", "save_pretrained", "load_pretrained", "mark_trainable",
-           "export_onnx", "export_tensorrt", "register_attention_op", "AttentionSite", "Report", "backend", "__version__"]
+__all__ = [
+    "AttentionSite",
+    "KHAConfig",
+    "KHAError",
+    "Report",
+    "__version__",
+    "apply",
+    "backend",
+    "export_onnx",
+    "export_tensorrt",
+    "fold",
+    "inspect",
+    "load_pretrained",
+    "mark_trainable",
+    "parallelize",
+    "register_attention_op",
+    "remove",
+    "save_pretrained",
+]

@@ -3,24 +3,23 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Optional
+from typing import Any
 
-import torch
 from torch import nn
 
 from .config import KHAConfig
 from .errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
-from .passes.handlers import handler_of
 from .parallel.fsdp import refuse_sharded
-from .passes.inputs import example_inputs as _example_inputs
 from .parametrized import raw_parameters
+from .passes.handlers import adapter as _adapter
+from .passes.handlers import handler_of
+from .passes.inputs import example_inputs as _example_inputs
 from .passes.insert import build_sites, insert, kha_modules
 from .passes.match import find_sites
-from .passes.handlers import adapter as _adapter
 from .passes.trace import capture
 from .report import Report
 
-__all__ = ["apply", "inspect", "remove", "analyse"]
+__all__ = ["analyse", "apply", "inspect", "remove"]
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +36,14 @@ def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
             "report this with the model's code.") from exc
 
 
-def analyse(model: nn.Module, cfg: Optional[KHAConfig], example_args, example_kwargs):
+def analyse(model: nn.Module, cfg: KHAConfig | None, example_args, example_kwargs):
+    model = _adapter.unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
-    with raw_parameters():  # KHA-parametrized weights read as stored: the graph shows the projections
+    with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
         cap = _step("trace", model, capture, model, args, kwargs)
     raw = _step("match", model, find_sites, cap.exported)
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
+    _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
     report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
     return report, plan
 
@@ -64,8 +65,8 @@ def _nothing_found(model: nn.Module, report: Report) -> str:
     return what
 
 
-def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any = (),
-          example_kwargs: Optional[dict] = None, strict: bool = True) -> nn.Module:
+def apply(model: nn.Module, cfg: KHAConfig | None = None, example_args: Any = (),
+          example_kwargs: dict | None = None, strict: bool = True) -> nn.Module:
     """Insert KHA transforms after the q/k/v projections of every attention in ``model``, in place.
 
     The transforms start at identity, so the model's outputs do not change until training moves
@@ -107,7 +108,7 @@ def apply(model: nn.Module, cfg: Optional[KHAConfig] = None, example_args: Any =
     return model
 
 
-def inspect(model: nn.Module, example_args: Any = (), example_kwargs: Optional[dict] = None) -> Report:
+def inspect(model: nn.Module, example_args: Any = (), example_kwargs: dict | None = None) -> Report:
     """Report every attention site of ``model`` (before or after apply) without changing it.
 
     Example::

@@ -4,21 +4,29 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from .api import apply, remove
-from .config import KHAConfig, CONFIG_VERSION
+from .config import CONFIG_VERSION, KHAConfig
 from .errors import CheckpointError, KHAError, NoKHATransformsError
 from .modules import transforms_of
-from .passes.handlers.adapter import canonical_name
 from .parallel.fsdp import gather_for_save, rank0_wrote, telling_other_ranks
+from .passes.handlers.adapter import canonical_name
 from .passes.insert import kha_modules
 
-__all__ = ["save_pretrained", "load_pretrained", "read_checkpoint", "checkpoint_misfit", "kha_state", "config_of",
-           "WEIGHTS_NAME", "CONFIG_NAME"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "checkpoint_misfit",
+    "config_of",
+    "kha_state",
+    "load_pretrained",
+    "read_checkpoint",
+    "save_pretrained",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,7 @@ def config_of(model: nn.Module) -> dict[str, Any]:
         strategies.add(getattr(module, "kha_strategy", "auto"))
         for role, t in transforms_of(module).items():
             if roles.get(role) != "mlp":
-                roles[role] = str(getattr(t, "kind"))
+                roles[role] = str(t.kind)
     strategy = strategies.pop() if len(strategies) == 1 else "auto"  # set per module: not one config value
     return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v"),
             "strategy": strategy}
@@ -132,7 +140,7 @@ def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:
     return "; ".join(parts)
 
 
-def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: Optional[dict] = None
+def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: dict | None = None
                     ) -> nn.Module:
     """Re-apply KHA to a fresh ``model`` as saved in ``directory`` and load its weights.
 

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from .errors import KHAConfigError
 from .kinds import ROLES, Role, TransformName
 from .strategy import check_strategy
 from .transforms import get_transform, transform_kinds
 
-__all__ = ["KHAConfig", "CONFIG_VERSION", "READABLE_VERSIONS", "allowed_kinds"]
+__all__ = ["CONFIG_VERSION", "READABLE_VERSIONS", "KHAConfig", "allowed_kinds"]
 
 CONFIG_VERSION = 2  # 2: adds ``strategy``; version 1 (no strategy) still loads, as strategy="auto"
 READABLE_VERSIONS = (1, 2)
 
 
-def allowed_kinds(role: Role) -> tuple[Optional[str], ...]:
+def allowed_kinds(role: Role) -> tuple[str | None, ...]:
     """The values ``KHAConfig.<role>`` accepts: ``None`` and every registered kind allowed on ``role``."""
     return (None, *(name for name, kind in transform_kinds().items() if role in kind.roles))
 
@@ -38,9 +38,9 @@ class KHAConfig:
         cfg = KHAConfig(v="linear", strategy="token")
     """
 
-    q: Optional[TransformName] = None
-    k: Optional[TransformName] = None
-    v: Optional[TransformName] = "mlp"
+    q: TransformName | None = None
+    k: TransformName | None = None
+    v: TransformName | None = "mlp"
     strategy: str = "auto"
 
     def __post_init__(self) -> None:
@@ -72,7 +72,7 @@ class KHAConfig:
         return {"version": CONFIG_VERSION, "q": self.q, "k": self.k, "v": self.v, "strategy": self.strategy}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "KHAConfig":
+    def from_dict(cls, data: dict[str, Any]) -> KHAConfig:
         version = data.get("version")
         if version not in READABLE_VERSIONS:
             raise KHAConfigError(

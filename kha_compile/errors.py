@@ -1,15 +1,50 @@
 """The errors kha_compile raises on bad input. Every one is a :class:`KHAError`.
 
-Each message says what went wrong and what to do about it.
+Each message says what went wrong and what to do about it. Catch :class:`KHAError` for all of them,
+or a subclass for one kind of failure.
+
+Example::
+
+    try:
+        kc.apply(model, kc.KHAConfig(v="mlp"))
+    except kc.KHAError as e:
+        log.error("KHA not applied: %s", e)
 """
+
 from __future__ import annotations
 
 __all__ = [
-    "KHAError", "KHAConfigError", "NoAttentionFoundError", "AlreadyAppliedError",
-    "MissingExampleInputsError", "TraceError", "CheckpointError", "FoldError",
-    "ExportError", "ExportNamesError", "BackendUnavailableError", "OpInputError", "KernelCompileError",
-    "UnknownTransformError", "UnsupportedModelError", "UnsupportedLayoutError", "RegistryError", "ShardedModelError",
-    "RegistrationError", "AnalysisError",
+    "AlreadyAppliedError",
+    "AnalysisError",
+    "BackendError",
+    "BackendOptionError",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "CommandError",
+    "DeployError",
+    "EngineError",
+    "ExportError",
+    "ExportNamesError",
+    "FoldError",
+    "InternalError",
+    "KHAConfigError",
+    "KHAError",
+    "KernelCompileError",
+    "MissingDependencyError",
+    "MissingExampleInputsError",
+    "ModelLoadError",
+    "NoAttentionFoundError",
+    "NoKHATransformsError",
+    "OpInputError",
+    "RegistrationError",
+    "RegistryError",
+    "ShardedModelError",
+    "TensorParallelError",
+    "TraceError",
+    "TracedPathError",
+    "UnknownTransformError",
+    "UnsupportedLayoutError",
+    "UnsupportedModelError",
 ]
 
 
@@ -17,8 +52,46 @@ class KHAError(Exception):
     """Base class of every error kha_compile raises on bad input."""
 
 
+# ---- settings and arguments ------------------------------------------------------------------
+
+
 class KHAConfigError(KHAError, ValueError):
     """A KHAConfig field has a value outside the allowed set."""
+
+
+class UnknownTransformError(KHAConfigError):
+    """A transform kind name is not registered (kha_compile.transforms)."""
+
+
+class RegistryError(KHAError, LookupError):
+    """A rule or projection-handler name is not registered."""
+
+
+class RegistrationError(KHAError, ValueError):
+    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
+
+
+class MissingExampleInputsError(KHAError, TypeError):
+    """A non-transformers model was given without example inputs."""
+
+
+class OpInputError(KHAError, ValueError):
+    """Tensors given to a KHA op have the wrong shape, dtype or device."""
+
+
+class CommandError(KHAError, ValueError):
+    """A ``kha-compile`` command was given arguments it cannot work with."""
+
+
+# ---- the model: analysis and apply -------------------------------------------------------------
+
+
+class TraceError(KHAError):
+    """torch.export could not capture the model's graph."""
+
+
+class AnalysisError(KHAError):
+    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
 
 
 class NoAttentionFoundError(KHAError):
@@ -26,15 +99,34 @@ class NoAttentionFoundError(KHAError):
 
 
 class AlreadyAppliedError(KHAError):
-    """apply() was called on a model that already carries KHA transforms."""
+    """apply() was called on a model (or module) that already carries KHA transforms."""
 
 
-class MissingExampleInputsError(KHAError, TypeError):
-    """A non-transformers model was given without example inputs."""
+class UnsupportedModelError(KHAError):
+    """The model has a construct kha_compile cannot put KHA into (the message names it)."""
 
 
-class TraceError(KHAError):
-    """torch.export could not capture the model's graph."""
+class UnsupportedLayoutError(UnsupportedModelError):
+    """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
+
+
+class ShardedModelError(KHAError):
+    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""
+
+
+class TensorParallelError(KHAError):
+    """Tensor parallelism shards a KHA projection in a way its transforms cannot follow (split heads, input features)."""
+
+
+class TracedPathError(KHAError):
+    """At run time a KHA module took another code path than the one traced when KHA was applied."""
+
+
+# ---- the model afterwards: transforms, checkpoints, fold ----------------------------------------
+
+
+class NoKHATransformsError(KHAError):
+    """The model carries no KHA transforms where the operation needs some."""
 
 
 class CheckpointError(KHAError):
@@ -45,6 +137,13 @@ class FoldError(KHAError):
     """A fold was refused (for example a non-foldable MLP-value transform exists)."""
 
 
+class ModelLoadError(KHAError):
+    """A model named on the command line could not be found or loaded."""
+
+
+# ---- export and kernels ------------------------------------------------------------------------
+
+
 class ExportError(KHAError):
     """An export step (ONNX, TensorRT) failed; the message names the step."""
 
@@ -53,30 +152,15 @@ class ExportNamesError(ExportError, ValueError):
     """input_names / output_names given to an export do not fit the model's inputs or outputs."""
 
 
-class BackendUnavailableError(KHAError, ImportError):
-    """An optional backend (TensorRT, Triton, a GPU) is not available here."""
-
-
-class OpInputError(KHAError, ValueError):
-    """Tensors given to a KHA op have the wrong shape, dtype or device."""
-
-
-class RegistrationError(KHAError, ValueError):
-    """register_attention_op was given something it cannot register (not an op, bad roles or layout)."""
-
-
-class AnalysisError(KHAError):
-    """An unexpected failure inside one analysis step (trace, match, plan); the model is unchanged."""
+class EngineError(KHAError):
+    """A built TensorRT engine could not be loaded or run, or was given the wrong inputs."""
 
 
 class KernelCompileError(KHAError, ValueError):
     """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
 
 
-__all__ += [
-    "BackendError", "BackendOptionError", "DeployError", "MissingDependencyError", "ModelLoadError",
-    "CommandError", "NoKHATransformsError",
-]
+# ---- the torch.compile backend -----------------------------------------------------------------
 
 
 class BackendError(KHAError):
@@ -91,37 +175,19 @@ class DeployError(BackendError):
     """Deploy mode (``kc.backend(from_pretrained=...)``) cannot place a checkpoint's transforms."""
 
 
+# ---- this machine ------------------------------------------------------------------------------
+
+
+class BackendUnavailableError(KHAError, ImportError):
+    """An optional backend (TensorRT, Triton, a GPU) is not available here."""
+
+
 class MissingDependencyError(KHAError, ImportError):
     """An optional Python package (transformers, onnxruntime, matplotlib, ...) is not installed."""
 
 
-class ModelLoadError(KHAError):
-    """A model named on the command line could not be found or loaded."""
+# ---- bugs --------------------------------------------------------------------------------------
 
 
-class CommandError(KHAError, ValueError):
-    """A ``kha-compile`` command was given arguments it cannot work with."""
-
-
-class NoKHATransformsError(KHAError):
-    """The model carries no KHA transforms where the operation needs some."""
-
-
-class UnknownTransformError(KHAConfigError):
-    """A transform kind name is not registered (kha_compile.transforms)."""
-
-
-class UnsupportedModelError(KHAError):
-    """The model has a construct kha_compile cannot put KHA into (the message names it)."""
-
-
-class UnsupportedLayoutError(UnsupportedModelError):
-    """A projection's head layout is neither separate/fused blocks nor an interleaved [H, roles, Dh] layout."""
-
-
-class RegistryError(KHAError, LookupError):
-    """A rule or projection-handler name is not registered."""
-
-
-class ShardedModelError(KHAError):
-    """The model is already sharded (FSDP2, DTensor tensor parallel) where an unsharded one is needed."""
+class InternalError(KHAError, RuntimeError):
+    """An invariant of kha_compile itself broke: a bug; please report it with the message."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Role", "ROLES", "SiteKind", "SiteStatus", "TransformName", "RuleName", "HandlerName"]
+__all__ = ["ROLES", "HandlerName", "Role", "RuleName", "SiteKind", "SiteStatus", "TransformName"]
 
 Role = Literal["q", "k", "v"]
 ROLES: tuple[Role, ...] = ("q", "k", "v")

@@ -9,9 +9,10 @@ object, class and keys return (that is how :func:`kha_compile.fold` restores a v
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,9 +25,22 @@ from .transforms.linear import KHALinearTransform
 from .transforms.mlp import KHAMLPValue
 
 __all__ = [
-    "KHALinearTransform", "KHAMLPValue", "KHATransforms", "HeadSlot", "KHAProjection", "attach", "detach",
-    "is_kha_projection", "kha_class_for", "make_transform", "carries_kha", "transforms_of", "attach_mha", "detach_mha",
+    "HeadSlot",
+    "KHALinearTransform",
+    "KHAMLPValue",
     "KHAMultiheadAttention",
+    "KHAProjection",
+    "KHATransforms",
+    "attach",
+    "attach_mha",
+    "carries_kha",
+    "detach",
+    "detach_mha",
+    "is_kha_projection",
+    "kha_class_for",
+    "make_transform",
+    "set_strategy",
+    "transforms_of",
 ]
 
 
@@ -34,8 +48,8 @@ class KHATransforms(nn.ModuleDict):
     """The ``kha`` child of a KHA projection: one shared transform per role ("q", "k", "v")."""
 
 
-def make_transform(kind: str, head_dim: int, *, dtype: Optional[torch.dtype] = None,
-                   device: Optional[torch.device] = None) -> nn.Module:
+def make_transform(kind: str, head_dim: int, *, dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> nn.Module:
     """Build the transform of registered ``kind`` ("linear" | "mlp" | ...) at identity, in the given dtype and device."""
     return get_transform(kind).create(head_dim, dtype=dtype, device=device)
 
@@ -71,7 +85,7 @@ def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
     """Choose how to cut the heads out of the projection output: 'blocks' or 'interleaved'."""
     if all(s.head_stride == s.head_dim for s in slots):
         spans = sorted((s.offset, s.offset + s.num_heads * s.head_dim) for s in slots)
-        if all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= out_features:
+        if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and spans[-1][1] <= out_features:
             return "blocks", 0
     strides = {s.head_stride for s in slots}
     heads = {s.num_heads for s in slots}
@@ -86,7 +100,7 @@ def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
     )
 
 
-def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, Optional[tuple[int, nn.Module]]]]) -> Tensor:
+def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, tuple[int, nn.Module] | None]]) -> Tensor:
     """Rebuild the last axis of ``y`` (…, width) from pieces (start, length, (head_dim, transform) | None)."""
     out = []
     for start, length, tf in pieces:
@@ -99,10 +113,10 @@ def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, Optional
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
-def _pieces(bounds: Sequence[tuple[int, int, Optional[tuple[int, nn.Module]]]], width: int
-            ) -> list[tuple[int, int, Optional[tuple[int, nn.Module]]]]:
+def _pieces(bounds: Sequence[tuple[int, int, tuple[int, nn.Module] | None]], width: int
+            ) -> list[tuple[int, int, tuple[int, nn.Module] | None]]:
     """Fill the gaps between transformed segments with untouched ones, in order."""
-    pieces: list[tuple[int, int, Optional[tuple[int, nn.Module]]]] = []
+    pieces: list[tuple[int, int, tuple[int, nn.Module] | None]] = []
     pos = 0
     for start, length, tf in sorted(bounds, key=lambda b: b[0]):
         if start > pos:
@@ -154,7 +168,7 @@ class KHAProjection(nn.Module):
         tokens = x.numel() // max(x.shape[-1], 1)
         return roles if use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, x.shape[-1]) else ()
 
-    def _kha_folded_params(self, roles: tuple[str, ...]) -> Optional[list[tuple[str, Tensor]]]:
+    def _kha_folded_params(self, roles: tuple[str, ...]) -> list[tuple[str, Tensor]] | None:
         """Weight and bias with ``roles`` folded in by this module's handler (cached while no grad is needed)."""
         from .passes.handlers import handler_of  # passes import this module
 
@@ -164,7 +178,7 @@ class KHAProjection(nn.Module):
 
     def _kha_layout(self, skip: tuple[str, ...] = ()) -> tuple[tuple[HeadSlot, ...], str, int]:
         """(active slots, plan, stride) of the roles not in ``skip``, computed once per set of roles."""
-        roles = tuple(r for r in self.kha.keys() if r not in skip)
+        roles = tuple(r for r in self.kha if r not in skip)
         cache = self.__dict__.get("_kha_cached_layout")
         if not isinstance(cache, dict):  # none yet (or a pickle from before strategies)
             cache = self.__dict__["_kha_cached_layout"] = {}
@@ -253,7 +267,7 @@ def detach(module: nn.Module) -> nn.Module:
     for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler", "kha_strategy",
                  "_kha_fold_cache", "_kha_weight_axis"):
         module.__dict__.pop(attr, None)
-    module.__class__ = getattr(type(module), "_kha_base_class")
+    module.__class__ = type(module)._kha_base_class  # type: ignore[attr-defined]
     return module
 
 
@@ -416,7 +430,7 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
 
 def _same_map(fn, query, key, value):
     """Apply ``fn`` to q, k, v, keeping identical inputs identical objects."""
-    out = {}
+    out: dict[int, object] = {}
     return tuple(out.setdefault(id(x), fn(x)) for x in (query, key, value))
 
 
@@ -449,7 +463,7 @@ def _sync_fast_path_hook(module: nn.Module) -> None:
         del module.__dict__["_kha_hook"]
 
 
-def _effective_in_proj(module: KHAMultiheadAttention, name: str) -> Optional[Tensor]:
+def _effective_in_proj(module: KHAMultiheadAttention, name: str) -> Tensor | None:
     """The folded ``name`` (cached) while no gradient is needed and every transform folds, else None."""
     kha = module._modules.get("kha")
     if not isinstance(kha, KHATransforms) or _token_side_only(module) or torch.compiler.is_compiling():
@@ -461,6 +475,20 @@ def _effective_in_proj(module: KHAMultiheadAttention, name: str) -> Optional[Ten
     if needs_grad(sources) or torch.overrides.has_torch_function(tuple(sources)):
         return None
     return dict(module._kha_folded(roles)).get(name)
+
+
+def set_strategy(module: nn.Module, strategy: str) -> None:
+    """Set how a KHA module runs linear KHA: "auto" | "weight" | "token" (its ``kha_strategy``).
+
+    Example::
+
+        set_strategy(model.model.layers[0].self_attn.q_proj, "token")
+    """
+    check_strategy(strategy, "kha_strategy")
+    if isinstance(module, KHAMultiheadAttention):
+        module.kha_strategy = strategy  # the property also updates the fast-path hook
+    else:
+        module.__dict__["kha_strategy"] = strategy
 
 
 def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.MultiheadAttention:

@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import KHAError
+from .errors import InternalError, TracedPathError
+from .mixins import mixin_class
 
 __all__ = [
     "KHAFunctional",
@@ -76,7 +77,7 @@ def fold_param(value: Tensor, slots: list[tuple[ParamSlot, Tensor]]) -> Tensor:
     m = moved.reshape(-1, int(torch.Size(moved.shape[nd - len(axes):]).numel()))  # (contracted, out)
     for slot, t in slots:
         if slot.axes != axes:
-            raise KHAError(f"slots over different axes {slot.axes} and {axes} of one parameter; this is a bug.")
+            raise InternalError(f"slots over different axes {slot.axes} and {axes} of one parameter; this is a bug.")
         idx = slot.index.to(m.device)
         cols = m.index_select(1, idx.reshape(-1)).reshape(m.shape[0], *idx.shape)  # (C, H, Dh)
         new = cols @ t.to(m.dtype)
@@ -135,7 +136,7 @@ def _flat(args: Any) -> list[Any]:
 def _apply_call(y: Tensor, call: ProjectionCall) -> Tensor:
     """Apply each role's transform to its head positions of a projection output ``y``."""
     if y.dim() != call.ndim:
-        raise KHAError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
+        raise TracedPathError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
                        "traced; re-run kc.apply with example inputs that take this code path.")
     nd = y.dim()
     perm = [a for a in range(nd) if a not in call.feature_axes] + list(call.feature_axes)
@@ -233,13 +234,15 @@ class KHAFunctional(nn.Module):
     [ProjectionCall] for MLP-value.
     """
 
+    _kha_base_class: ClassVar[type[Any]]  # the class it was made from (set by functional_class_for)
+
     def __getattr__(self, name: str) -> Any:
         pslots = self.__dict__.get("_kha_pslots")
         if pslots and name in pslots and not _RAW:
             cache = self.__dict__.get("_kha_cache")
             if cache is not None and name in cache:
                 return cache[name]
-            raw = super().__getattr__(name)
+            raw = cast(Tensor, super().__getattr__(name))  # a registered parameter (name in pslots)
             value = fold_param(raw, [(s, t.weight) for s, t in pslots[name]])
             if cache is not None:
                 cache[name] = value
@@ -259,7 +262,7 @@ class KHAFunctional(nn.Module):
             with mode:
                 out = super().forward(*args, **kwargs)
             if mode.done != len(calls):
-                raise KHAError(f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
+                raise TracedPathError(f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
                                "did not run in this forward (a code path other than the traced one); re-apply KHA "
                                "with example inputs that take this path.")
             return out
@@ -268,21 +271,12 @@ class KHAFunctional(nn.Module):
                 m.__dict__.pop("_kha_cache", None)
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
 def functional_class_for(base_cls: type) -> type:
     """The ``KHAFunctional<Base>`` subclass of a module class (created once)."""
     if issubclass(base_cls, KHAFunctional):
         return base_cls
-    cls = _CLASS_CACHE.get(base_cls)
-    if cls is None:
-        name = f"KHAFunctional{base_cls.__name__}"
-        cls = type(name, (KHAFunctional, base_cls), {"__module__": __name__, "__qualname__": name,
-                                                     "_kha_base_class": base_cls})
-        _CLASS_CACHE[base_cls] = cls
-        globals().setdefault(name, cls)
-    return cls
+    return mixin_class(KHAFunctional, base_cls, f"KHAFunctional{base_cls.__name__}", __name__,
+                       _kha_base_class=base_cls)
 
 
 def is_kha_functional(module: Any) -> bool:

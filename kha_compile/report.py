@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar
 
 from .kinds import SiteKind, SiteStatus
 
@@ -16,14 +16,14 @@ class AttentionSite:
     name: str
     status: SiteStatus
     reason: str = ""
-    kind: Optional[SiteKind] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    v_head_dim: Optional[int] = None
-    q_proj: Optional[str] = None
-    k_proj: Optional[str] = None
-    v_proj: Optional[str] = None
+    kind: SiteKind | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    q_proj: str | None = None
+    k_proj: str | None = None
+    v_proj: str | None = None
     rope: bool = False
     qk_norm: bool = False
     anchor: str = ""  # "sdpa" | "manual_softmax"
@@ -74,10 +74,10 @@ class Report:
                 rows.append([s.name, "skipped", "", "", "", "", "", "", "", s.reason])
         return rows
 
-    HEADER = ["site", "kind", "heads", "kv", "dim", "rope", "qk-norm", "proj", "kha", "note"]
+    HEADER: ClassVar[list[str]] = ["site", "kind", "heads", "kv", "dim", "rope", "qk-norm", "proj", "kha", "note"]
 
     def __str__(self) -> str:
-        rows = [self.HEADER] + self.rows()
+        rows = [self.HEADER, *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEADER) - 1)]
         lines = [f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped"]
         for r in rows:

@@ -1,6 +1,25 @@
 #!/usr/bin/env bash
-# Test suite (pytest-xdist on 2 cores). Extra arguments go to pytest.
+# Checks, then the test suite (pytest-xdist on 2 cores). Extra arguments go to pytest.
+#
+#   ruff check, ruff format --check and mypy run first; the first that fails stops the run with a
+#   line naming it. KHA_SKIP_CHECKS=1 skips them (pytest only).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$KHA_ROOT"
+
+check() {  # check NAME COMMAND...: run COMMAND; on failure say which check failed and stop
+    local name="$1"
+    shift
+    echo "== $name" >&2
+    if ! "$@"; then
+        echo "FAILED: $name ($*)" >&2
+        exit 1
+    fi
+}
+
+if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
+    check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests
+    check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests
+    check "mypy" "$KHA_VENV/bin/mypy" kha_compile
+fi
 exec "$KHA_VENV/bin/python" -m pytest -n 2 tests "$@"

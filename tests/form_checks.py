@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from helpers import kha_params, perturb
 from torch import nn
 
 import kha_compile as kc
+from helpers import kha_params, perturb
 
 
 def check_form(make: Callable[[], nn.Module], args: tuple, v: str, sites: int = 2, anchor: str = "",

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kha_params, perturb
 from torch import nn
 
 import kha_compile as kc
+from helpers import kha_params, perturb
 
 D, H, DH = 32, 4, 8
 E = H * DH

@@ -9,11 +9,15 @@ import torch
 from torch import nn
 
 import kha_compile as kc
-from kha_compile.errors import (AlreadyAppliedError, CheckpointError, KHAConfigError, MissingExampleInputsError,
-                                NoAttentionFoundError)
-
 import zoo
 from helpers import kha_params, perturb, run, run_python
+from kha_compile.errors import (
+    AlreadyAppliedError,
+    CheckpointError,
+    KHAConfigError,
+    MissingExampleInputsError,
+    NoAttentionFoundError,
+)
 
 CONFIGS = {"mlp": kc.KHAConfig(v="mlp"), "linear": kc.KHAConfig(q="linear", k="linear", v="linear")}
 
@@ -121,6 +125,7 @@ def test_mla_mlp_request_becomes_linear_and_the_report_says_why():
 
 def test_repeated_blocks_are_traced_once(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from kha_compile.passes import trace
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -184,7 +189,7 @@ def test_load_of_a_checkpoint_that_does_not_fit_leaves_the_model_unchanged(tmp_p
                       num_key_value_heads=2, vocab_size=128)  # head dim 32, not 16
     model = LlamaForCausalLM(cfg).eval()
     state, classes = _snapshot(model)
-    with pytest.raises(CheckpointError, match="does not fit.*shape mismatch"):
+    with pytest.raises(CheckpointError, match=r"does not fit.*shape mismatch"):
         kc.load_pretrained(model, tmp_path / "ckpt")
     assert [type(m) for m in model.modules()] == classes
     after = model.state_dict()
@@ -207,7 +212,7 @@ def test_load_of_a_truncated_file_is_a_clear_error_and_changes_nothing(tmp_path)
 
 
 def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
-    with pytest.raises(CheckpointError, match="kha_config.json"):
+    with pytest.raises(CheckpointError, match=r"kha_config.json"):
         kc.load_pretrained(zoo.make("llama").model, tmp_path / "nowhere")
 
 
@@ -231,7 +236,7 @@ def test_config_is_frozen_and_round_trips():
 def test_no_attention_is_a_clear_error_and_strict_false_warns():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     x = torch.randn(2, 8)
-    with pytest.raises(NoAttentionFoundError, match="no per-head attention.*scaled_dot_product_attention"):
+    with pytest.raises(NoAttentionFoundError, match=r"no per-head attention.*scaled_dot_product_attention"):
         kc.apply(model, example_args=(x,))
     with pytest.warns(UserWarning, match="no per-head attention"):
         out = kc.apply(model, example_args=(x,), strict=False)

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import kha_compile as kc
+from helpers import perturb
 from kha_compile.checkpoint import checkpoint_misfit, read_checkpoint
 from kha_compile.errors import CheckpointError, NoKHATransformsError
-
-from helpers import perturb
 
 
 def _llama(layers: int):
@@ -87,5 +86,5 @@ def test_misfit_lists_missing_unexpected_and_wrong_shapes():
 
 
 def test_save_without_kha_says_to_apply_first(tmp_path):
-    with pytest.raises(NoKHATransformsError, match="call kc.apply"):
+    with pytest.raises(NoKHATransformsError, match=r"call kc.apply"):
         kc.save_pretrained(_llama(1), tmp_path / "x")

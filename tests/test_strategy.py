@@ -11,13 +11,13 @@ import dataclasses
 
 import pytest
 import torch
-import zoo
-from helpers import main_output, perturb
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import kha_compile as kc
 import kha_compile.modules as kmod
+import zoo
+from helpers import main_output, perturb
 from kha_compile.errors import KHAConfigError
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
@@ -63,7 +63,9 @@ CASES = [("llama", LINEAR), ("gpt2", LINEAR), ("phi", LINEAR), ("falcon", LINEAR
 
 
 def _as_fp32(case: zoo.ZooCase) -> zoo.ZooCase:
-    f = (lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+    def f(x):
+        return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
     return dataclasses.replace(case, args=tuple(f(a) for a in case.args), kwargs={k: f(v) for k, v in case.kwargs.items()})
 
 

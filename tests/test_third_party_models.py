@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from form_checks import check_form
-from helpers import kha_params
 from torch import nn
 
 import kha_compile as kc
+from form_checks import check_form
+from helpers import kha_params
 from kha_compile.errors import TraceError
 
 V, T = 128, 8

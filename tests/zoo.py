@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch import nn
 
 from kha_compile.passes.inputs import example_inputs
 
-__all__ = ["ZooCase", "ZOO_NAMES", "HF_NAMES", "TORCH_NAMES", "make"]
+__all__ = ["HF_NAMES", "TORCH_NAMES", "ZOO_NAMES", "ZooCase", "make"]
 
 SEED = 0
 HIDDEN, HEADS, LAYERS, INTER, VOCAB, MAX_POS = 64, 4, 2, 128, 128, 64
@@ -204,7 +205,7 @@ class NanoGPT(nn.Module):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.size()
+        _, T = idx.size()  # (B, T)
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.h:

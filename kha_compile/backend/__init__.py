@@ -74,8 +74,22 @@ from .rules import RULES, DeployKHA, FoldLinearKHA, FuseMLPValue, Rule
 from .stats import BackendStats, Decline, GraphStats, RuleName, Verdict
 
 __all__ = [
-    "KHABackend", "BackendStats", "GraphStats", "Verdict", "Decline", "RuleName", "Rule", "RULES", "FuseMLPValue",
-    "FoldLinearKHA", "DeployKHA", "create", "kha", "last_stats", "reset", "NAME",
+    "NAME",
+    "RULES",
+    "BackendStats",
+    "Decline",
+    "DeployKHA",
+    "FoldLinearKHA",
+    "FuseMLPValue",
+    "GraphStats",
+    "KHABackend",
+    "Rule",
+    "RuleName",
+    "Verdict",
+    "create",
+    "kha",
+    "last_stats",
+    "reset",
 ]
 
 install()

@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 import weakref
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import fx, nn
 
@@ -21,17 +22,17 @@ from .rules import RULES, Rule, RuleSetup
 from .runtime import Runner
 from .stats import BackendStats, GraphStats
 
-__all__ = ["NAME", "KHABackend", "create", "kha", "last_stats", "reset", "COMPILERS"]
+__all__ = ["COMPILERS", "NAME", "KHABackend", "create", "kha", "last_stats", "reset"]
 
 log = logging.getLogger(__name__)
 
 NAME = "kha"
 COMPILERS = ("inductor", "eager")
 
-_Compiler = Union[str, Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]]
+_Compiler = str | Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
-def _compiled_root() -> Optional[nn.Module]:
+def _compiled_root() -> nn.Module | None:
     """The module given to ``torch.compile(module)``: the innermost OptimizedModule call on the stack.
 
     Only the frames of ``OptimizedModule.__call__`` and ``nn.Module``'s call wrappers are looked at,
@@ -85,7 +86,7 @@ def _mlp_value_ops(node: fx.Node) -> int:
     return int(getattr(node.target, "kha_mlp_value_ops", 0)) if node.op == "call_function" else 0
 
 
-_LAST: Optional["KHABackend"] = None
+_LAST: KHABackend | None = None
 
 
 class KHABackend:
@@ -109,9 +110,9 @@ class KHABackend:
         be.stats.rewrites
     """
 
-    def __init__(self, from_pretrained: Union[str, "os.PathLike[str]", None] = None, *,
-                 model: Optional[nn.Module] = None, example_args: Any = (),
-                 example_kwargs: Optional[dict[str, Any]] = None, fold: bool = True, fuse_mlp: bool = True,
+    def __init__(self, from_pretrained: str | os.PathLike[str] | None = None, *,
+                 model: nn.Module | None = None, example_args: Any = (),
+                 example_kwargs: dict[str, Any] | None = None, fold: bool = True, fuse_mlp: bool = True,
                  compiler: _Compiler = "inductor"):
         if not (callable(compiler) or compiler in COMPILERS):
             raise BackendOptionError(f"compiler={compiler!r} is not allowed; use one of "
@@ -128,7 +129,7 @@ class KHABackend:
         self.stats = BackendStats()
         self._deploy = DeployPlan(from_pretrained, example_args, example_kwargs) if from_pretrained is not None else None
         self._model = weakref.ref(model) if model is not None else None
-        self._quiet: set[Optional[int]] = set()
+        self._quiet: set[int | None] = set()
         if model is not None and self._deploy is not None:
             self._deploy.entries(model)  # validate now: a misfit raises before anything compiles
 
@@ -150,7 +151,7 @@ class KHABackend:
         except KHAError as exc:
             raise _surface(exc) from None
 
-    def _rules(self, root: Optional[nn.Module]) -> list[Rule]:
+    def _rules(self, root: nn.Module | None) -> list[Rule]:
         entries = None
         if self._deploy is not None:
             model = (self._model() if self._model is not None else None) or root
@@ -205,7 +206,7 @@ class KHABackend:
         return self.compiler(gm, example_inputs)
 
 
-def create(from_pretrained: Union[str, "os.PathLike[str]", None] = None, **options: Any) -> KHABackend:
+def create(from_pretrained: str | os.PathLike[str] | None = None, **options: Any) -> KHABackend:
     """A :class:`KHABackend` (``kha_compile.backend(...)`` calls this).
 
     Example::
@@ -217,7 +218,7 @@ def create(from_pretrained: Union[str, "os.PathLike[str]", None] = None, **optio
     return KHABackend(from_pretrained, **options)
 
 
-_DEFAULT: Optional[KHABackend] = None
+_DEFAULT: KHABackend | None = None
 
 
 def _default() -> KHABackend:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from typing import Any, Optional, Union
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -23,7 +23,7 @@ from ..errors import AlreadyAppliedError, CheckpointError, DeployError, NoAttent
 from ..passes.insert import kha_modules
 from .deps import TRANSFORM_PARAMS, HeadSlot
 
-__all__ = ["DeployEntry", "RoleTransform", "DeployPlan"]
+__all__ = ["DeployEntry", "DeployPlan", "RoleTransform"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class DeployEntry:
     """One projection module of the model and the checkpoint transforms that go after it."""
 
     path: str
-    module: "weakref.ReferenceType[nn.Module]"
+    module: weakref.ReferenceType[nn.Module]
     slots: list[HeadSlot]
     transforms: dict[str, RoleTransform]   # role -> transform
     out_features: int
@@ -49,12 +49,12 @@ class DeployEntry:
 class DeployPlan:
     """A read checkpoint, and per model the validated entries saying where its transforms go."""
 
-    def __init__(self, directory: Union[str, os.PathLike[str]], example_args: Any = (),
-                 example_kwargs: Optional[dict[str, Any]] = None):
+    def __init__(self, directory: str | os.PathLike[str], example_args: Any = (),
+                 example_kwargs: dict[str, Any] | None = None):
         self.directory = str(directory)
         self.cfg, self.tensors = read_checkpoint(directory)
         self.example_args, self.example_kwargs = example_args, example_kwargs
-        self._plans: "weakref.WeakKeyDictionary[nn.Module, list[DeployEntry]]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[nn.Module, list[DeployEntry]] = weakref.WeakKeyDictionary()
 
     def entries(self, model: nn.Module) -> list[DeployEntry]:
         """The entries for ``model`` (analysed and validated once per model)."""

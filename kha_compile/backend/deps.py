@@ -5,14 +5,29 @@ they move (``kha_compile.transforms``, ``passes.handlers``) only these imports c
 """
 from __future__ import annotations
 
-from ..modules import HeadSlot, KHALinearTransform, KHAMLPValue, KHAMultiheadAttention, KHAProjection
-from ..modules import KHATransforms, make_transform
+from ..modules import (
+    HeadSlot,
+    KHALinearTransform,
+    KHAMLPValue,
+    KHAMultiheadAttention,
+    KHAProjection,
+    KHATransforms,
+    make_transform,
+)
 from ..passes.fold import fold_rows
 from ..transforms import transform_kinds
 
 __all__ = [
-    "HeadSlot", "KHALinearTransform", "KHAMLPValue", "KHAMultiheadAttention", "KHAProjection", "KHATransforms",
-    "make_transform", "fold_rows", "KHA_CLASSES", "TRANSFORM_PARAMS",
+    "KHA_CLASSES",
+    "TRANSFORM_PARAMS",
+    "HeadSlot",
+    "KHALinearTransform",
+    "KHAMLPValue",
+    "KHAMultiheadAttention",
+    "KHAProjection",
+    "KHATransforms",
+    "fold_rows",
+    "make_transform",
 ]
 
 # the tensors of each transform kind, in the order the transform takes them (checkpoint keys ``kha.<role>.<name>``)

@@ -5,8 +5,10 @@ placeholders of the graph it passed after the backend returns.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, fx
@@ -17,9 +19,22 @@ from .runtime import Recipe, Source, attribute
 from .stats import GraphStats
 
 __all__ = [
-    "GraphContext", "BackendOptions", "is_call", "is_matmul", "is_mlp_value_op", "inside", "touches_kha",
-    "concrete", "erase_dead", "copy_graph", "MATMUL_FNS", "MUL_FNS", "MUL_METHODS", "SIGMOID_FNS",
-    "SIGMOID_METHODS", "LINEAR_FNS",
+    "LINEAR_FNS",
+    "MATMUL_FNS",
+    "MUL_FNS",
+    "MUL_METHODS",
+    "SIGMOID_FNS",
+    "SIGMOID_METHODS",
+    "BackendOptions",
+    "GraphContext",
+    "concrete",
+    "copy_graph",
+    "erase_dead",
+    "inside",
+    "is_call",
+    "is_matmul",
+    "is_mlp_value_op",
+    "touches_kha",
 ]
 
 BackendOptions = dict[str, bool]  # {"fold": ..., "fuse_mlp": ...}
@@ -106,10 +121,10 @@ class GraphContext:
         self.placeholders = list(self.graph.find_nodes(op="placeholder"))
         self._index = {n: i for i, n in enumerate(self.placeholders)}
         self.recipes: list[Recipe] = []
-        self._last_input: Optional[fx.Node] = self.placeholders[-1] if self.placeholders else None
+        self._last_input: fx.Node | None = self.placeholders[-1] if self.placeholders else None
         self._fake_mode = _fake_mode(example_inputs)
 
-    def source(self, node: Any) -> Optional[Source]:
+    def source(self, node: Any) -> Source | None:
         """Where the real tensor behind a graph input (placeholder or get_attr) comes from, or None."""
         if not isinstance(node, fx.Node):
             return None
@@ -121,14 +136,14 @@ class GraphContext:
             return Source("attr", node.target)
         return None
 
-    def tensor(self, src: Optional[Source]) -> Optional[Tensor]:
+    def tensor(self, src: Source | None) -> Tensor | None:
         """The real tensor of a source (at compile time), or None."""
         if src is None:
             return None
         t = src.resolve(self.example_inputs, lambda q: attribute(self.gm, q))
         return t if isinstance(t, Tensor) else None
 
-    def tensor_of(self, node: Any) -> Optional[Tensor]:
+    def tensor_of(self, node: Any) -> Tensor | None:
         """The real tensor behind a graph input node, or None."""
         return self.tensor(self.source(node))
 
@@ -153,21 +168,19 @@ class GraphContext:
                     node = self.graph.placeholder(f"{name}_{j}")
             self._last_input = node
             if self._fake_mode is not None:
-                try:
+                with contextlib.suppress(Exception):  # metadata only
                     node.meta["example_value"] = self._fake_mode.from_tensor(v)
-                except Exception:  # pragma: no cover - metadata only
-                    pass
             nodes.append(node)
             self.example_inputs.append(v)
         return nodes
 
-    def call(self, target: Callable[..., Any], args: tuple[Any, ...], like: Optional[fx.Node] = None) -> fx.Node:
+    def call(self, target: Callable[..., Any], args: tuple[Any, ...], like: fx.Node | None = None) -> fx.Node:
         """Insert ``target(*args)`` at the current insertion point, with an example value when possible."""
         node = self.graph.call_function(target, args)
         if like is not None and "nn_module_stack" in like.meta:
             node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
         missing: list[fx.Node] = []
-        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta  # type: ignore[func-returns-value]
+        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta
                                     else n.meta["example_value"])
         if self._fake_mode is not None and not missing:
             try:

@@ -9,18 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Literal, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, fx
 
 from ..errors import KHAError
+from ..kinds import Role
 from .deps import HeadSlot, fold_rows
 from .graph import LINEAR_FNS, MATMUL_FNS, GraphContext, concrete
 
 __all__ = [
-    "ProjectionKind", "Projection", "projection", "is_view", "trace_back", "view_descendants", "features",
-    "slot_of", "fold_fn",
+    "Projection",
+    "ProjectionKind",
+    "features",
+    "fold_fn",
+    "is_view",
+    "projection",
+    "slot_of",
+    "trace_back",
+    "view_descendants",
 ]
 
 ProjectionKind = Literal["linear", "addmm", "matmul"]   # linear: W (out, in); addmm, matmul: W (in, out)
@@ -39,14 +48,14 @@ class Projection:
     node: fx.Node
     kind: ProjectionKind
     weight: fx.Node
-    bias: Optional[fx.Node]
+    bias: fx.Node | None
 
     @property
     def out_axis(self) -> int:
         """The weight axis that indexes output features."""
         return 0 if self.kind == "linear" else 1
 
-    def replace(self, weight: fx.Node, bias: Optional[fx.Node]) -> None:
+    def replace(self, weight: fx.Node, bias: fx.Node | None) -> None:
         """Point the op at a new weight (and bias) node."""
         n = self.node
         if self.kind == "linear":
@@ -64,7 +73,7 @@ class Projection:
             n.update_arg(1, weight)
 
 
-def projection(node: Any, ctx: GraphContext) -> Optional[Projection]:
+def projection(node: Any, ctx: GraphContext) -> Projection | None:
     """``node`` as a foldable projection op, or None."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
@@ -144,7 +153,7 @@ def features(value: Any, width: int) -> Tensor:
     return mask
 
 
-def slot_of(value: Any, head_dim: int) -> Optional[HeadSlot]:
+def slot_of(value: Any, head_dim: int) -> HeadSlot | None:
     """The HeadSlot a stand-in (…, H, Dh) covers: token axes stride 0, one head axis, Dh contiguous."""
     if not isinstance(value, Tensor) or value.dim() < 1 or value.shape[-1] != head_dim:
         return None
@@ -156,10 +165,11 @@ def slot_of(value: Any, head_dim: int) -> Optional[HeadSlot]:
     heads, stride = axes[0] if axes else (1, head_dim)
     if heads > 1 and stride < head_dim:
         return None
-    return HeadSlot("?", int(value.storage_offset()), int(heads), head_dim, int(stride))
+    # the backend folds by position: which role these heads carry is not known here
+    return HeadSlot(cast(Role, "?"), int(value.storage_offset()), int(heads), head_dim, int(stride))
 
 
-def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Optional[Projection]:
+def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Projection | None:
     """Walk from ``node`` back through view ops to a projection op."""
     cur: Any = node
     for _ in range(limit):
@@ -205,7 +215,7 @@ def fold_fn(slots: Sequence[HeadSlot], out_axis: int) -> Callable[..., tuple[Ten
         w2, b2 = fold_fn([slot], 0)(lin.weight, lin.bias, T)
     """
 
-    def fn(weight: Tensor, bias: Optional[Tensor], *ts: Tensor) -> tuple[Tensor, ...]:
+    def fn(weight: Tensor, bias: Tensor | None, *ts: Tensor) -> tuple[Tensor, ...]:
         w, b = weight, bias
         for slot, t in zip(slots, ts):
             w, b = fold_rows(w, b, slot, t.to(weight.device), out_axis)

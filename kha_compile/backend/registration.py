@@ -10,11 +10,12 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .compiler import NAME, kha
 
-__all__ = ["install", "REGISTRY"]
+__all__ = ["REGISTRY", "install"]
 
 REGISTRY = "torch._dynamo.backends.registry"
 
@@ -28,7 +29,7 @@ class _RegisteringLoader(importlib.abc.Loader):
     def __init__(self, loader: Any):
         self._loader = loader
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -42,8 +43,8 @@ class _RegisteringLoader(importlib.abc.Loader):
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
     """Registers "kha" right after Dynamo's backend registry module is first imported."""
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[types.ModuleType] = None
-                  ) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
         if fullname != REGISTRY:
             return None
         for finder in sys.meta_path:

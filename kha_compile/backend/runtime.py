@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Source", "Recipe", "Runner", "SourceKind"]
+__all__ = ["Recipe", "Runner", "Source", "SourceKind"]
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,10 @@ class Source:
     """Where a real tensor comes from: graph argument ``index``, attribute ``qualname``, or a constant."""
 
     kind: SourceKind
-    where: Union[int, str, Tensor]
+    where: int | str | Tensor
 
     @staticmethod
-    def const(t: Tensor) -> "Source":
+    def const(t: Tensor) -> Source:
         return Source("const", t)
 
     def resolve(self, args: Sequence[Any], attr: Callable[[str], Any]) -> Any:
@@ -62,17 +63,17 @@ def _version(t: Tensor) -> int:
 class Recipe:
     """Tensors computed by ``fn`` from ``sources``; recomputed when a source tensor changes."""
 
-    def __init__(self, sources: Sequence[Optional[Source]], fn: Callable[..., Sequence[Tensor]]):
+    def __init__(self, sources: Sequence[Source | None], fn: Callable[..., Sequence[Tensor]]):
         self.sources = list(sources)
         self.fn = fn
-        self._refs: list[Optional[weakref.ReferenceType[Tensor]]] = []
+        self._refs: list[weakref.ReferenceType[Tensor] | None] = []
         self._versions: list[int] = []
         self._values: tuple[Tensor, ...] = ()
 
-    def _inputs(self, get: Callable[[Source], Optional[Tensor]]) -> list[Optional[Tensor]]:
+    def _inputs(self, get: Callable[[Source], Tensor | None]) -> list[Tensor | None]:
         return [get(s) if s is not None else None for s in self.sources]
 
-    def compute(self, get: Callable[[Source], Optional[Tensor]]) -> tuple[Tensor, ...]:
+    def compute(self, get: Callable[[Source], Tensor | None]) -> tuple[Tensor, ...]:
         """Compute the values now (at compile time), from the tensors ``get`` returns."""
         tensors = self._inputs(get)
         with torch.no_grad():
@@ -80,7 +81,7 @@ class Recipe:
         self._remember(tensors)
         return self._values
 
-    def _remember(self, tensors: list[Optional[Tensor]]) -> None:
+    def _remember(self, tensors: list[Tensor | None]) -> None:
         self._refs = [weakref.ref(t) if t is not None else None for t in tensors]
         self._versions = [_version(t) if t is not None else 0 for t in tensors]
 

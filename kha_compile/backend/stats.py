@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, NamedTuple, get_args
 
-__all__ = ["RuleName", "RULE_NAMES", "Verdict", "Decline", "GraphStats", "BackendStats", "ok", "fail"]
+__all__ = ["RULE_NAMES", "BackendStats", "Decline", "GraphStats", "RuleName", "Verdict", "fail", "ok"]
 
 # the rules, in the order they run (``rules.RULES`` holds their classes in the same order; a test checks)
 RuleName = Literal["deploy", "fuse_mlp_value", "fold_linear"]

@@ -23,17 +23,17 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .commands.bench import list_benchmarks
 from .models import load_model
 from .parser import build_parser, parse
 from .ui import UI, command_logging
 
-__all__ = ["main", "build_parser", "load_model", "list_benchmarks"]
+__all__ = ["build_parser", "list_benchmarks", "load_model", "main"]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kha-compile`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
     0 success, 1 a check failed (a parity above tolerance), 2 bad input (a KHAError or bad usage).

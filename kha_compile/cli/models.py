@@ -5,17 +5,28 @@ import importlib
 import json
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any, cast
 
 from torch import nn
 
 from ..config import KHAConfig
 from ..errors import MissingDependencyError, ModelLoadError
+from ..kinds import TransformName
 from ..passes.inputs import sentence_transformer_model
 from .ui import UI, quiet_transformers
 
-__all__ = ["MINILM", "MODEL_HELP", "load_model", "load_minilm", "load_with_kha", "require", "export_target",
-           "config_from", "kha_param_count", "kha_leftovers"]
+__all__ = [
+    "MINILM",
+    "MODEL_HELP",
+    "config_from",
+    "export_target",
+    "kha_leftovers",
+    "kha_param_count",
+    "load_minilm",
+    "load_model",
+    "load_with_kha",
+    "require",
+]
 
 MINILM = "minilm"
 MODEL_HELP = ("a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
@@ -33,7 +44,7 @@ def require(name: str, extra: str) -> Any:
 def load_model(spec: str) -> tuple[nn.Module, str]:
     """Load MODEL as the CLI understands it; returns ``(model, display name)``.
 
-    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile._tiny`), ``minilm`` (the
+    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile.tiny`), ``minilm`` (the
     embedded all-MiniLM-L6-v2 as a SentenceTransformer) or a directory holding a transformers model
     (``config.json``) or a sentence-transformers model (``modules.json``).
 
@@ -41,13 +52,13 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
 
         model, name = load_model("tiny-llama")
     """
-    from .. import _tiny
+    from .. import tiny
 
-    if spec in _tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
+    if spec in tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
         require("transformers", "hf")
         quiet_transformers()
-    if spec in _tiny.TINY_MODELS:
-        return _tiny.make(spec), spec
+    if spec in tiny.TINY_MODELS:
+        return tiny.make(spec), spec
     if spec == MINILM:
         return load_minilm(), "all-MiniLM-L6-v2"
     path = pathlib.Path(spec)
@@ -89,7 +100,7 @@ def _sentence_transformer(path: str) -> nn.Module:
     return model
 
 
-def load_with_kha(spec: str, kha: Optional[str], ui: UI) -> tuple[nn.Module, str]:
+def load_with_kha(spec: str, kha: str | None, ui: UI) -> tuple[nn.Module, str]:
     """Load MODEL, then the KHA checkpoint ``kha`` into it when given."""
     import kha_compile as kc
 
@@ -106,10 +117,10 @@ def export_target(model: nn.Module) -> nn.Module:
     return sentence_transformer_model(model) or model
 
 
-def config_from(q: Optional[str], k: Optional[str], v: Optional[str]) -> KHAConfig:
+def config_from(q: str | None, k: str | None, v: str | None) -> KHAConfig:
     """The KHAConfig of --q/--k/--v as the parser left them ("none" -> None; none given: the default)."""
-    def norm(x: Optional[str]) -> Optional[str]:
-        return None if x is None or x == "none" else x
+    def norm(x: str | None) -> TransformName | None:  # KHAConfig checks the name
+        return None if x is None or x == "none" else cast(TransformName, x)
 
     if q is None and k is None and v is None:
         return KHAConfig()

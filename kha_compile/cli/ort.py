@@ -10,7 +10,7 @@ import torch
 from ..errors import ExportError
 from .models import require
 
-__all__ = ["ort_run", "first_tensor", "max_diff", "FOLD_TOL", "ONNX_TOL"]
+__all__ = ["FOLD_TOL", "ONNX_TOL", "first_tensor", "max_diff", "ort_run"]
 
 FOLD_TOL = 1e-4   # max |folded - KHA| on unit-norm embeddings / tiny-model logits
 ONNX_TOL = 1e-4   # max |onnxruntime - torch|

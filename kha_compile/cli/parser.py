@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .commands import COMMANDS
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; an argument no command takes is reported with the usage of the command it was given to.
 
     Exits (``SystemExit``, status 2) on a usage error, like ``parse_args``.

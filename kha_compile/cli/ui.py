@@ -6,14 +6,15 @@ import logging
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from ..report import Report
 
-__all__ = ["UI", "command_logging", "quiet_transformers", "report_table", "kv_table", "fmt_diff", "ok_mark"]
+__all__ = ["UI", "command_logging", "fmt_diff", "kv_table", "ok_mark", "quiet_transformers", "report_table"]
 
 
 class UI:
@@ -101,13 +102,13 @@ def quiet_transformers() -> None:
 
 
 def _restore_transformers() -> None:
-    restore: Optional[Callable[[], None]]
+    restore: Callable[[], None] | None
     restore, _QUIET["restore"] = _QUIET["restore"], None
     if restore is not None:
         restore()
 
 
-def report_table(report: "Report", title: Optional[str] = None) -> "Table":
+def report_table(report: Report, title: str | None = None) -> Table:
     """A rich Table of a :class:`~kha_compile.Report` (its HEADER and rows())."""
     from rich.table import Table
 
@@ -121,12 +122,12 @@ def report_table(report: "Report", title: Optional[str] = None) -> "Table":
     for site, row in zip(report.sites, report.rows()):
         style = None if site.matched else "yellow"
         if site.matched and site.transforms:
-            row = row[:8] + [f"[bold cyan]{row[8]}[/]"] + row[9:]
+            row = [*row[:8], f"[bold cyan]{row[8]}[/]", *row[9:]]
         table.add_row(*row, style=style)
     return table
 
 
-def kv_table(title: str, rows: Sequence[tuple[str, str]]) -> "Table":
+def kv_table(title: str, rows: Sequence[tuple[str, str]]) -> Table:
     """A two-column table of key / value rows."""
     from rich.table import Table
 

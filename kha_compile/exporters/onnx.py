@@ -37,8 +37,10 @@ __all__ = [
     "PLUGIN_VERSION",
     "OnnxSummary",
     "TensorInfo",
+    "check_destination",
     "dynamic_axes_for",
     "export_onnx",
+    "import_onnx",
     "mlp_value_function",
     "onnx_summary",
     "read_kha_metadata",
@@ -118,7 +120,7 @@ def onnx_summary(model_or_path: Any) -> OnnxSummary:
         s = onnx_summary("model.onnx")
         s.num_custom_nodes, [str(i) for i in s.inputs]     # 4, ['x: float32[batch, seq, 64]']
     """
-    onnx = _import_onnx()
+    onnx = import_onnx()
     path = None
     if isinstance(model_or_path, (str, os.PathLike)):
         path = pathlib.Path(model_or_path)
@@ -178,7 +180,7 @@ def mlp_value_function(opset: int) -> Any:
         raise ExportError(
             f"ONNX export, step 'function': the MLPValue function needs default-domain opset >= 15 "
             f"(CastLike); the model imports opset {opset}.")
-    onnx = _import_onnx()
+    onnx = import_onnx()
     h = onnx.helper
     nodes = [
         h.make_node("MatMul", ["v", "w_up"], ["up"]),                 # (..., d)
@@ -206,7 +208,7 @@ def _mlp_value_schema() -> Iterator[None]:
     afterwards (unless it was there before), so the saved file is checked against its function
     body, as every other tool will see it.
     """
-    onnx = _import_onnx()
+    onnx = import_onnx()
     from onnx.defs import OpSchema
 
     if onnx.defs.has(MLP_VALUE_OP, MLP_VALUE_DOMAIN):
@@ -275,8 +277,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
         onnxruntime.InferenceSession(str(path)).run(None, {"x": x.numpy()})
         read_kha_metadata(path)["config"]                       # {'q': None, 'v': 'mlp', ...}
     """
-    path = _check_destination(path)
-    _import_onnx()
+    path = check_destination(path)
+    import_onnx()
     if not isinstance(model, nn.Module):
         raise ExportError(f"export_onnx takes an nn.Module; got {type(model).__name__}.")
     from ..passes.inputs import example_inputs
@@ -347,7 +349,7 @@ def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {**kwargs, "use_cache": False}
 
 
-def _check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> pathlib.Path:
+def check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> pathlib.Path:
     """``path`` as a Path, after checking that a file can be written there (ExportError if not)."""
     path = pathlib.Path(path).expanduser()
     parent = path.parent.resolve()
@@ -428,7 +430,8 @@ def _add_mlp_value_function(ir_model: Any) -> None:
                           f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}") from e
 
 
-def _import_onnx() -> Any:
+def import_onnx() -> Any:
+    """The ``onnx`` module, after checking that onnx and onnxscript are installed (BackendUnavailableError if not)."""
     try:
         import onnx
         import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter needs it)

@@ -103,9 +103,9 @@ def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
         meta = read_kha_metadata("model.onnx")
         meta["config"], [s["name"] for s in meta["sites"]]     # {'v': 'mlp', ...}, ['model.layers.0...']
     """
-    from .onnx import _import_onnx
+    from .onnx import import_onnx
 
-    onnx = _import_onnx()
+    onnx = import_onnx()
     if isinstance(path_or_model, (str, os.PathLike)):
         model = onnx.load(str(path_or_model), load_external_data=False)
     else:

@@ -18,16 +18,16 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..errors import ExportError, KHAError
-from .onnx import PLUGIN_ID, TensorInfo, _check_destination, onnx_summary
+from ..errors import EngineError, ExportError
+from .onnx import PLUGIN_ID, TensorInfo, check_destination, onnx_summary
 from .tensorrt_plugin import (
-    _PLUGIN_DTYPES,
-    _import_tensorrt,
+    PLUGIN_DTYPE_NAMES,
     aot_registered,
+    import_tensorrt,
     mlp_value_output_dtype,
     mlp_value_output_shape,
     register_mlp_value_plugin,
@@ -90,8 +90,9 @@ def profile_shapes(inputs: Sequence[TensorInfo],
         if info.name in profile:
             lo, opt, hi = (tuple(int(x) for x in s) for s in profile[info.name])
         else:
-            lo, opt, hi = [], [], []
+            bounds: tuple[list[int], list[int], list[int]] = ([], [], [])
             for axis, dim in enumerate(info.dims):
+                r: tuple[int, int, int] | None
                 if isinstance(dim, int):
                     r = (dim, dim, dim)
                 else:
@@ -102,9 +103,9 @@ def profile_shapes(inputs: Sequence[TensorInfo],
                             f"({dim or 'unnamed'}) and has no range; pass dim_ranges="
                             f"{{{dim or 'name'!r}: (min, opt, max)}} or a profile for "
                             f"{info.name!r}.")
-                for lst, x in zip((lo, opt, hi), r):
+                for lst, x in zip(bounds, r):
                     lst.append(int(x))
-            lo, opt, hi = tuple(lo), tuple(opt), tuple(hi)
+            lo, opt, hi = (tuple(b) for b in bounds)
         _check_profile_entry(info, lo, opt, hi)
         shapes[info.name] = (lo, opt, hi)
     return shapes
@@ -114,10 +115,10 @@ def _dim_range(name: str | None, ranges: Mapping[str, tuple[int, int, int]]) -> 
     if not name:
         return None
     if name in ranges:
-        return tuple(ranges[name])
+        return cast("tuple[int, int, int]", tuple(ranges[name]))
     for key in ranges:
         if name.endswith(f"_{key}"):
-            return tuple(ranges[key])
+            return cast("tuple[int, int, int]", tuple(ranges[key]))
     return None
 
 
@@ -184,7 +185,7 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
     """
     summary = onnx_summary(onnx_path)
     for info in summary.inputs:
-        if info.dtype in _PLUGIN_DTYPES:
+        if info.dtype in PLUGIN_DTYPE_NAMES:
             return info.dtype
     import onnx
 
@@ -275,11 +276,11 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
     if not onnx_path.is_file():
         raise ExportError(f"TensorRT export: the ONNX file {str(onnx_path)!r} does not exist; "
                           f"write it with kc.export_onnx first.")
-    engine_path = _check_destination(engine_path, what="the TensorRT engine")
+    engine_path = check_destination(engine_path, what="the TensorRT engine")
     summary = onnx_summary(onnx_path)
     shapes = profile_shapes(summary.inputs, _merge_profile(profile, min_shapes, opt_shapes, max_shapes),
                             dim_ranges)
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     plan = build_plan(precision, onnx_float_dtype(onnx_path), hasattr(trt.BuilderFlag, "FP16"))
     register_mlp_value_plugin()
 
@@ -378,13 +379,13 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
 
         out = run_engine("model.engine", {"x": torch.randn(2, 16, 64)})
     """
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     register_mlp_value_plugin()
     engine_path = pathlib.Path(engine_path)
     runtime = trt.Runtime(_trt_logger(trt))
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
-        raise KHAError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
+        raise EngineError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
                        f"TensorRT version or GPU?).")
     dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
               trt.DataType.BF16: torch.bfloat16, trt.DataType.INT32: torch.int32,
@@ -394,7 +395,7 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     in_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
     missing = sorted(set(in_names) - set(inputs))
     if missing:
-        raise KHAError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
+        raise EngineError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
     context = engine.create_execution_context()
     keep: dict[str, torch.Tensor] = {}
     for name in in_names:
@@ -413,6 +414,6 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     stream.wait_stream(torch.cuda.current_stream())         # the copies above ran there
     with torch.cuda.stream(stream):
         if not context.execute_async_v3(stream.cuda_stream):
-            raise KHAError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
+            raise EngineError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
     stream.synchronize()
     return {name: t.cpu() for name, t in outputs.items()}

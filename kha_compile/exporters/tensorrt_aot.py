@@ -171,7 +171,7 @@ def mark_aot_nodes(model: Any, max_d: int = 128) -> int:
             continue
         kept = [a for a in node.attribute if a.name != "aot"]
         del node.attribute[:]
-        node.attribute.extend(kept + [onnx.helper.make_attribute("aot", 1)])
+        node.attribute.extend([*kept, onnx.helper.make_attribute("aot", 1)])
         count += 1
     return count
 

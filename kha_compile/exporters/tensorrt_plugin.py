@@ -23,11 +23,18 @@ import torch
 from ..errors import BackendUnavailableError, OpInputError
 from .onnx import PLUGIN_ID
 
-__all__ = ["aot_registered", "mlp_value_output_dtype", "mlp_value_output_shape", "register_mlp_value_plugin"]
+__all__ = [
+    "PLUGIN_DTYPE_NAMES",
+    "aot_registered",
+    "import_tensorrt",
+    "mlp_value_output_dtype",
+    "mlp_value_output_shape",
+    "register_mlp_value_plugin",
+]
 
 log = logging.getLogger(__name__)
 
-_PLUGIN_DTYPES = ("float32", "float16", "bfloat16")
+PLUGIN_DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the dtypes of v the plugin takes
 _INSTALL_HINT = (
     "Install TensorRT (>= 10.7, for tensorrt.plugin) on a Linux machine with an NVIDIA GPU and "
     "CUDA 12: `pip install tensorrt` or `pip install tensorrt-cu12 --extra-index-url "
@@ -79,8 +86,8 @@ def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
     """
     if len(dtypes) != 4:
         raise OpInputError(f"kha::MLPValue takes 4 inputs; got {len(dtypes)} types.")
-    if dtypes[0] not in _PLUGIN_DTYPES:
-        raise OpInputError(f"kha::MLPValue supports {', '.join(_PLUGIN_DTYPES)}; v is {dtypes[0]}.")
+    if dtypes[0] not in PLUGIN_DTYPE_NAMES:
+        raise OpInputError(f"kha::MLPValue supports {', '.join(PLUGIN_DTYPE_NAMES)}; v is {dtypes[0]}.")
     if any(t != dtypes[0] for t in dtypes):
         raise OpInputError(f"kha::MLPValue: all inputs must share one type; got {list(dtypes)}.")
     return dtypes[0]
@@ -90,7 +97,7 @@ def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
 # Backend check, plugin registration
 # --------------------------------------------------------------------------------------------
 
-def _import_tensorrt() -> Any:
+def import_tensorrt() -> Any:
     """``tensorrt`` (with ``tensorrt.plugin``), after checking for it and for an NVIDIA GPU."""
     missing = []
     trt: Any = None
@@ -143,7 +150,7 @@ def register_mlp_value_plugin() -> None:
     global _PLUGIN_REGISTERED, _AOT_REGISTERED
     if _PLUGIN_REGISTERED:
         return
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     import tensorrt.plugin as trtp
 
     dtype_names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16",

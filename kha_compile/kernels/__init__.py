@@ -9,6 +9,10 @@ from .mlp_value import (
 )
 
 __all__ = [
-    "mlp_value_triton", "mlp_value_triton_forward", "mlp_value_triton_backward",
-    "triton_available", "triton_supports", "MAX_D",
+    "MAX_D",
+    "mlp_value_triton",
+    "mlp_value_triton_backward",
+    "mlp_value_triton_forward",
+    "triton_available",
+    "triton_supports",
 ]

@@ -200,10 +200,10 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
     import torch
 
     from .mlp_value import (
-        _config_class,
-        _padded_d,
+        config_class,
         configs_for,
         launch_supported,
+        padded_d,
         triton_supports,
     )
 
@@ -217,14 +217,14 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
         for d in head_dims:
             if not triton_supports(d, tdtype):
                 continue
-            D = _padded_d(d)
+            D = padded_d(d)
             launches = [("fwd", "fwd")] + ([("bwd_fused", "fused")] if D <= 64 else
                                            [("bwd_dv", "dv"), ("bwd_dw", "dw")])
             for kernel, kind in launches:
                 direction = "forward" if kind == "fwd" else "backward"
                 if kernel not in kernels or not launch_supported(direction, d, tdtype, cc):
                     continue
-                for bm, bn, warps, stages in configs_for(kind, _config_class(kind, D, tdtype), D, cc):
+                for bm, bn, warps, stages in configs_for(kind, config_class(kind, D, tdtype), D, cc):
                     out.append(KernelVariant(kernel, dtype, d, bm, bn if kernel == "bwd_dw" else None,
                                              warps, stages))
     return out
@@ -318,7 +318,7 @@ def _compile(v: KernelVariant, arch: str) -> tuple[KernelRecord, CompiledKernel 
         with contextlib.redirect_stdout(io.StringIO()) as out:  # triton prints ptxas failures
             k = triton.compile(src, target=target,
                                options={"num_warps": v.num_warps, "num_stages": v.num_stages})
-    except Exception as e:  # noqa: BLE001  (any failure of the compile is a record, not a crash)
+    except Exception as e:
         rec.seconds = time.perf_counter() - t0
         first = str(e).strip().splitlines()
         rec.reason = f"{type(e).__name__}: {first[0] if first else ''}"[:500]
@@ -331,7 +331,7 @@ def _compile(v: KernelVariant, arch: str) -> tuple[KernelRecord, CompiledKernel 
     try:
         rec.registers, stack = _resource_usage(cubin, k.metadata.name)
         rec.spills = _spill_bytes(ptx, cc) if stack else 0
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         rec.reason = f"compiled, but its resource usage could not be read: {type(e).__name__}: {e}"[:500]
         return rec, None
     limit = SHARED_LIMITS.get(cc)

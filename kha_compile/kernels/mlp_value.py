@@ -48,7 +48,8 @@ Backward (a fused kernel for d <= 64; a FlashAttention-2 style split into two la
     Row groups P: 2 per SM (persistent); in the split, the column blocks of a row group share them.
     BLOCK_M (and the split's BLOCK_N in {32, 64}) are autotuned on the GPU, from config lists that
     compile for the GPU's architecture within shared memory and without register spills
-    (``_CONFIGS`` less ``_LEFT_OUT``, checked with :mod:`kha_compile.kernels.aot` for sm_80 and sm_90).
+    (:mod:`kha_compile.kernels.configs`: ``CONFIGS`` less ``LEFT_OUT``, checked with
+    :mod:`kha_compile.kernels.aot` for sm_80 and sm_90).
     Below sm_90 the split's grad-v launch at d > 64 (16-bit) cannot fit (five 128 x 128 weight tiles
     on chip); there the op's backward runs the composite formula (cuBLAS), and fp32 runs the kernels
     up to d = 64 only (``triton_supports``).
@@ -81,11 +82,30 @@ import torch
 from torch import Tensor
 
 from ..errors import BackendUnavailableError, OpInputError
+from .configs import (
+    CONFIGS,
+    MIN_DOT,
+    capability,
+    config_class,
+    configs_for,
+    launch_supported,
+    padded_d,
+)
 
 __all__ = [
-    "mlp_value_triton", "mlp_value_triton_forward", "mlp_value_triton_backward",
-    "triton_available", "triton_supports", "is_triton_build_error", "MAX_D", "MAX_D_FP32",
-    "configs_for", "launch_supported",
+    "MAX_D",
+    "MAX_D_FP32",
+    "capability",
+    "config_class",
+    "configs_for",
+    "is_triton_build_error",
+    "launch_supported",
+    "mlp_value_triton",
+    "mlp_value_triton_backward",
+    "mlp_value_triton_forward",
+    "padded_d",
+    "triton_available",
+    "triton_supports",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,7 +115,6 @@ MAX_D = 128  # largest head size the kernels take (the accumulators must fit in 
 # D = 128) do not fit sm_80's shared memory and spill on sm_90, and cuBLAS runs the composite instead.
 MAX_D_FP32 = 64
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MIN_DOT = 16  # tl.dot on NVIDIA needs K >= 16 for 16-bit operands; keep every block dim >= 16
 
 _INSTALL_HINT = (
     "the fused MLP-value kernel needs Triton: `pip install triton`, and an NVIDIA GPU (CUDA tensors), "
@@ -111,8 +130,8 @@ def _import_triton() -> Any:
     """Import triton once; return the module, or None if it is not importable."""
     try:
         import triton
-        import triton.language  # noqa: F401
-    except Exception as e:  # noqa: BLE001  (ImportError, or a broken install raising something else)
+        import triton.language
+    except Exception as e:
         logger.debug("triton is not importable: %s", e)
         return None
     return triton
@@ -179,88 +198,11 @@ def _require_backend(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernels (built lazily, once per interpreter/compiled mode) and their autotuning configs
+# Kernels (built lazily, once per interpreter/compiled mode); their autotuning configs are in configs.py
 # --------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N or None, num_warps, num_stages) per launch and operand class. Checked with
-# kha_compile.kernels.aot (``python benchmarks/kernels_aot.py``, triton 3.9) for sm_80 and sm_90:
-# each config used on an architecture compiles there without register spills and within its
-# shared memory (163 KiB per block on sm_80, 227 KiB on sm_90). fp32 uses FMA dots under "ieee"
-# precision, whose register tiles only fit at small BLOCK_M.
-_CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
-    ("fwd", "16bit"): [(64, None, 4, 3), (128, None, 8, 3), (256, None, 8, 2), (64, None, 4, 4), (128, None, 8, 4)],
-    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 8, 3), (128, None, 8, 1), (128, None, 8, 2),
-                            (64, None, 8, 2)],
-    ("fwd", "fp32"): [(16, None, 8, 1), (16, None, 8, 2), (32, None, 8, 1)],
-    ("fused", "16bit"): [(32, None, 4, 3), (32, None, 8, 2), (64, None, 8, 2), (64, None, 8, 3),
-                         (128, None, 8, 2), (128, None, 8, 3), (16, None, 4, 2)],
-    ("fused", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
-    ("dv", "16bit"): [(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)],
-    ("dv", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
-    ("dw", "16bit"): [(32, 32, 4, 2), (32, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2),
-                      (64, 32, 8, 3)],
-    ("dw", "fp32"): [(16, 32, 8, 1), (16, 32, 8, 2), (32, 32, 8, 1), (32, 32, 8, 2)],
-}
-# Which of them each architecture class uses, by padded head size D: (kind, class, D) -> configs
-# left out there. sm_80 (and other GPUs below sm_90: less shared memory, and its mma.sync code holds
-# more in registers than sm_90's wgmma) spills or overflows in these; sm_90 in the ones marked so.
-_LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, int]]]] = {
-    "sm_80": {
-        ("fwd", "16bit-d128", 128): {(64, None, 4, 2), (128, None, 8, 1), (128, None, 8, 2)},
-        ("fused", "16bit", 64): {(32, None, 4, 3), (64, None, 8, 2), (64, None, 8, 3), (128, None, 8, 2),
-                                 (128, None, 8, 3)},
-        # grad_v keeps W_up, W_gate, W_down^T and both transposes on chip: 5 x 32 KiB plus the tiles
-        # is more than 163 KiB whatever the blocks, so below sm_90 the op's backward at d > 64 runs
-        # the composite (cuBLAS) instead (see launch_supported).
-        ("dv", "16bit", 128): {(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)},
-    },
-    "sm_90": {
-        ("fused", "16bit", 32): {(128, None, 8, 2), (128, None, 8, 3)},
-        ("dv", "16bit", 128): {(32, None, 8, 1)},
-    },
-}
-
-
-def _arch_class(cc: int | None) -> str | None:
-    """"sm_80" below compute capability 9.0, "sm_90" from it, None when unknown (interpreter)."""
-    if cc is None:
-        return None
-    return "sm_90" if cc >= 90 else "sm_80"
-
-
-def configs_for(kind: str, cls: str, D: int, cc: int | None) -> list[tuple[int, int | None, int, int]]:
-    """The autotune configs of launch ``kind`` for operand class ``cls`` and padded head size D on ``cc``.
-
-    ``cc`` is the compute capability (e.g. 90); None gives all of them, as in the interpreter.
-
-    Example::
-
-        configs_for("fused", "16bit", 64, 80)     # [(32, None, 8, 2), (16, None, 4, 2)]
-    """
-    left_out = _LEFT_OUT.get(_arch_class(cc) or "", {}).get((kind, cls, D), set())
-    return [c for c in _CONFIGS[(kind, cls)] if c not in left_out]
-
-
 # Without autotuning (the interpreter, or explicit block sizes): BLOCK_M, and BLOCK_N of the split.
 _DEFAULT_BLOCK_M = 32
 _DEFAULT_SPLIT_BLOCK_N = 64
-
-
-def launch_supported(direction: str, d: int, dtype: torch.dtype, cc: int | None) -> bool:
-    """True if every launch of the ``direction`` ("forward"/"backward") has a config on compute capability cc.
-
-    Example::
-
-        launch_supported("backward", 128, torch.bfloat16, 80)    # False: cuBLAS runs it on sm_80
-    """
-    D = _padded_d(d)
-    kinds = ["fwd"] if direction == "forward" else (["fused"] if D <= 64 else ["dv", "dw"])
-    return all(configs_for(k, _config_class(k, D, dtype), D, cc) for k in kinds)
-
-
-def _config_class(kind: str, D: int, dtype: torch.dtype) -> str:
-    if dtype == torch.float32:
-        return "fp32"
-    return "16bit-d128" if kind == "fwd" and D >= 128 else "16bit"
 
 
 class _KernelSet:
@@ -278,7 +220,7 @@ class _KernelSet:
         all of the class), or None when not tuning."""
         if not self.autotune:
             return None
-        configs = list(_CONFIGS[(kind, cls)] if configs is None else configs)
+        configs = list(CONFIGS[(kind, cls)] if configs is None else configs)
         key = (kind, cls, tuple(configs))
         if key not in self._tuners:
             import triton
@@ -321,14 +263,6 @@ def _kernels(interpret: bool) -> _KernelSet:
 # --------------------------------------------------------------------------------------------------
 # Launch helpers
 # --------------------------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _padded_d(d: int) -> int:
-    return max(_MIN_DOT, _next_pow2(d))
-
-
 def _m_bucket(M: int) -> int:
     # Autotuning key: re-tune per power of two of M, not per M (sequence lengths vary).
     return max(0, M - 1).bit_length()
@@ -398,7 +332,7 @@ def _launch(
 
     ``grid(meta)`` maps the launch's meta-parameters (BLOCK_M, BLOCK_N) to the grid.
     """
-    tuner = ks.tuner(kind, cls, configs_for(kind, cls, meta["D"], _capability())) if ks.autotune else None
+    tuner = ks.tuner(kind, cls, configs_for(kind, cls, meta["D"], capability())) if ks.autotune else None
     if tuner is not None and block_m is None and (kind != "dw" or block_n is None):
         # "fwd" has no BLOCK_N; "dw" tunes it; "fused"/"dv" take the whole hidden axis.
         tuner[grid](*args, **meta, **({"BLOCK_N": block_n} if kind in ("fused", "dv") else {}))
@@ -433,7 +367,7 @@ def mlp_value_triton_forward(
     v = _rows(v)
     w_up, w_gate, w_down = w_up.contiguous(), w_gate.contiguous(), w_down.contiguous()
     interpret = _interpret_mode()
-    D = _padded_d(d)
+    D = padded_d(d)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
     args = (v, w_up, w_gate, w_down, y, M, v.stride(0), y.stride(0), _m_bucket(M))
     max_p = _max_programs(v.device)
@@ -442,7 +376,7 @@ def mlp_value_triton_forward(
         return (min(_cdiv(M, m["BLOCK_M"]), max_p),)
 
     with _on_device(v.device):
-        _launch(_kernels(interpret), "fwd", _config_class("fwd", D, v.dtype), grid, args, meta, block_m)
+        _launch(_kernels(interpret), "fwd", config_class("fwd", D, v.dtype), grid, args, meta, block_m)
     return y
 
 
@@ -464,7 +398,7 @@ def mlp_value_triton_backward(
     _check("mlp_value_triton_backward", v, w_up, w_gate, w_down, grad=grad_out)
     _require_backend(v.device)
     M, d = v.shape
-    D = _padded_d(d)
+    D = padded_d(d)
     if M == 0:
         z = torch.zeros((d, d), dtype=v.dtype, device=v.device)
         return torch.empty_like(v), z, z.clone(), z.clone()
@@ -474,12 +408,12 @@ def mlp_value_triton_backward(
 
     interpret = _interpret_mode()
     ks = _kernels(interpret)
-    cls = _config_class("bwd", D, v.dtype)
+    cls = config_class("bwd", D, v.dtype)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
     max_p = _max_programs(v.device)
     # Row groups of the weight-gradient launch: fixed here, since the workspace is sized by it; a
     # group without row tiles writes zeros. In the split, column blocks of one row group share a wave.
-    P = max(1, min(_cdiv(M, _MIN_DOT), max_p if fused else max_p // 2))
+    P = max(1, min(_cdiv(M, MIN_DOT), max_p if fused else max_p // 2))
     grad_v = torch.empty_like(v)
     ws = torch.empty((P, 3, d, d), dtype=torch.float32, device=v.device)
     args = (v, grad_out, w_up, w_gate, w_down, grad_v, ws, M, v.stride(0), grad_out.stride(0),
@@ -503,22 +437,14 @@ def mlp_value_triton_backward(
     return grad_v, dw[0], dw[1], dw[2]
 
 
-def _capability() -> int | None:
-    """Compute capability of the current CUDA device (e.g. 90), None without one."""
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
-
-
 def _on_device(device: torch.device):
     """Launch context: Triton launches on the current CUDA device, so make it v's."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_block(b: int, name: str) -> None:
-    if b < _MIN_DOT or b & (b - 1):
-        raise OpInputError(f"{name} must be a power of two >= {_MIN_DOT} (tl.dot's minimum); got {b}.")
+    if b < MIN_DOT or b & (b - 1):
+        raise OpInputError(f"{name} must be a power of two >= {MIN_DOT} (tl.dot's minimum); got {b}.")
 
 
 def _cdiv(a: int, b: int) -> int:

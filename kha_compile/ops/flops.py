@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from . import mlp_value as _mlp_value  # noqa: F401  (defines torch.ops.kha.mlp_value, registered on below)
+
 __all__ = ["BACKWARD_GEMMS", "FORWARD_GEMMS", "mlp_value_backward_flops", "mlp_value_flops"]
 
 FORWARD_GEMMS = 3  # (M, d) x (d, d) products in the forward

@@ -20,8 +20,11 @@ from torch import Tensor
 from ..errors import OpInputError
 
 __all__ = [
-    "mlp_value", "mlp_value_reference", "check_mlp_value_inputs",
-    "mlp_value_backward", "mlp_value_backward_reference",
+    "check_mlp_value_inputs",
+    "mlp_value",
+    "mlp_value_backward",
+    "mlp_value_backward_reference",
+    "mlp_value_reference",
 ]
 
 logger = logging.getLogger(__name__)
@@ -134,7 +137,7 @@ def _use_triton(kind: str, v: Tensor) -> bool:
         (kind, d, v.dtype) not in _TRITON_BROKEN
         and kernels.triton_supports(d, v.dtype)
         and kernels.triton_available()
-        and kernels.launch_supported(kind, d, v.dtype, kernels._capability())
+        and kernels.launch_supported(kind, d, v.dtype, kernels.capability())
     )
 
 

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -38,20 +39,23 @@ def register_mlp_value_sharding() -> bool:
         return True
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Placement, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
+    # (output placements, input placements) pairs, one per strategy
+    _Rules = list[tuple[list[Placement], list[Placement]]]
+
     @register_sharding(torch.ops.kha.mlp_value.default)
-    def _forward_rule(v, w_up, w_gate, w_down):  # type: ignore[no-untyped-def]
-        rep = [Replicate()]
-        rules = [(rep, [Replicate()] * 4)]
+    def _forward_rule(v: Any, w_up: Any, w_gate: Any, w_down: Any) -> _Rules:
+        rep: list[Placement] = [Replicate()]
+        rules: _Rules = [(rep, [Replicate()] * 4)]
         for dim in range(v.ndim - 1):  # any axis but the head vector's own
             rules.append(([Shard(dim)], [Shard(dim), Replicate(), Replicate(), Replicate()]))
         return rules
 
     @register_sharding(torch.ops.kha.mlp_value_backward.default)
-    def _backward_rule(grad, v, w_up, w_gate, w_down):  # type: ignore[no-untyped-def]
-        rules = [([Replicate()] * 4, [Replicate()] * 5)]
+    def _backward_rule(grad: Any, v: Any, w_up: Any, w_gate: Any, w_down: Any) -> _Rules:
+        rules: _Rules = [([Replicate()] * 4, [Replicate()] * 5)]
         for dim in range(v.ndim - 1):
             rules.append(([Shard(dim), Partial(), Partial(), Partial()],
                           [Shard(dim), Shard(dim), Replicate(), Replicate(), Replicate()]))

@@ -16,7 +16,7 @@ and, even if it did not, would shard the (d, d) transforms, which act on whole h
    heads.
 
 Rule for GQA/MQA: with fewer heads of a role than TP ranks a head would be split across ranks,
-and :class:`~kha_compile.errors.KHAError` says so; use a TP degree that divides every role's head
+and :class:`~kha_compile.errors.TensorParallelError` says so; use a TP degree that divides every role's head
 count, or leave that attention's projections out of the plan (replicated, computed on every rank).
 
 Example::
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import KHAError
+from ..errors import ShardedModelError, TensorParallelError, UnsupportedModelError
+from ..mixins import mixin_class
 from ..modules import (
     HeadSlot,
     KHALinearTransform,
@@ -62,15 +63,15 @@ class _SumOverGroup(torch.autograd.Function):
     """Identity forward on several tensors; the backward sums their gradients over ``group`` in one all-reduce."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         flat = [g.reshape(-1) for g in grads if g is not None]
         if len(flat) != len(grads):  # pragma: no cover - every KHA parameter takes part in its forward
-            raise KHAError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
+            raise TensorParallelError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
         bucket = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
         torch.distributed.all_reduce(bucket, group=ctx.group)
         return (None, *(b.view_as(g) for b, g in zip(bucket.split([f.numel() for f in flat]), grads)))
@@ -92,7 +93,7 @@ class TensorParallelKHA:
         from torch.distributed.tensor import DTensor
 
         if not isinstance(y, DTensor):  # pragma: no cover - ColwiseParallel always gives a DTensor here
-            raise KHAError("a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel.")
+            raise TensorParallelError("a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel.")
         local = y.to_local()
         slots, mode, stride = self._kha_tp_layout
         fns = {s.role: self._local_fn(s.role) for s in slots}
@@ -111,7 +112,7 @@ class TensorParallelKHA:
         module = self.kha[role]
         group = self._kha_tp_group
         names, tensors = zip(*module.named_parameters())
-        local = [p.to_local() if is_dtensor(p) else p for p in tensors]  # type: ignore[attr-defined]
+        local = [p.to_local() if is_dtensor(p) else p for p in tensors]
         params = dict(zip(names, _SumOverGroup.apply(group, *local)))  # one all-reduce per transform
         if isinstance(module, KHALinearTransform):  # the two built-in kinds without functional_call's overhead
             return lambda x: x @ params["weight"]
@@ -120,19 +121,10 @@ class TensorParallelKHA:
         return lambda x: torch.func.functional_call(module, params, (x,))
 
 
-_TP_CLASSES: dict[type, type] = {}
-
-
 def _tp_class(cls: type) -> type:
     if issubclass(cls, TensorParallelKHA):
         return cls
-    tp = _TP_CLASSES.get(cls)
-    if tp is None:
-        name = f"TP{cls.__name__}"
-        tp = type(name, (TensorParallelKHA, cls), {"__module__": __name__, "__qualname__": name})
-        _TP_CLASSES[cls] = tp
-        globals().setdefault(name, tp)  # findable by name (pickle) in this process
-    return tp
+    return mixin_class(TensorParallelKHA, cls, f"TP{cls.__name__}", __name__)
 
 
 def _local_features(weight: Tensor, out_axis: int) -> Tensor | None:
@@ -143,7 +135,7 @@ def _local_features(weight: Tensor, out_axis: int) -> Tensor | None:
     if all(isinstance(p, Replicate) for p in placements):
         return None
     if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == out_axis) for p in placements):
-        raise KHAError(f"placements {tuple(placements)}")
+        raise TensorParallelError(f"placements {tuple(placements)}")
     out = weight.shape[out_axis]
     idx = torch.arange(out, dtype=torch.int64, device=weight.to_local().device)  # type: ignore[attr-defined]
     one_d = [Shard(0) if isinstance(p, Shard) else Replicate() for p in placements]
@@ -162,7 +154,7 @@ def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[
         if split or not whole:
             why = (f"head {split[0]} of role {s.role!r} is split across ranks" if split else
                    f"this rank holds no {s.role!r} head")
-            raise KHAError(
+            raise TensorParallelError(
                 f"{name}: {why} ({s.num_heads} {s.role} heads of size {s.head_dim}, {len(local)} of "
                 f"{s.num_heads * s.head_dim if s.head_stride == s.head_dim else 'its'} features here). KHA's "
                 "transforms act on whole head vectors, so every TP rank must hold whole heads of every role: use "
@@ -173,7 +165,7 @@ def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[
         stride = first[1] - first[0] if len(first) > 1 else s.head_dim
         if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or \
                 any(f != first[0] + i * stride for i, f in enumerate(first)):
-            raise KHAError(f"{name}: the local features of role {s.role!r} do not form an affine head layout "
+            raise TensorParallelError(f"{name}: the local features of role {s.role!r} do not form an affine head layout "
                            "after sharding; kha_compile cannot place its transforms on this shard.")
         out.append(HeadSlot(s.role, first[0], len(whole), s.head_dim, stride))
     return tuple(out)
@@ -207,12 +199,12 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
 
     register_mlp_value_sharding()
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise KHAError("kc.parallelize runs before fully_shard: call kc.apply, then kc.parallelize(model, "
+        raise ShardedModelError("kc.parallelize runs before fully_shard: call kc.apply, then kc.parallelize(model, "
                        "mesh['tp'], plan), then fully_shard(..., mesh=mesh['dp']).")
     kha = kha_modules(model)
     mha = [n for n, m in kha if isinstance(m, KHAMultiheadAttention)]
     if mha:
-        raise KHAError(f"tensor parallel of nn.MultiheadAttention with KHA ({mha[0]}) is not supported: "
+        raise UnsupportedModelError(f"tensor parallel of nn.MultiheadAttention with KHA ({mha[0]}) is not supported: "
                        "torch's parallel styles shard nn.Linear projections only.")
     projections = [(n, m) for n, m in kha if isinstance(m, KHAProjection) and not isinstance(m, TensorParallelKHA)]
     hidden = {n: m._modules.pop("kha") for n, m in projections}
@@ -229,8 +221,8 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
             continue
         try:
             local = _local_features(w, 0)
-        except KHAError as e:
-            raise KHAError(f"{n}: a KHA projection is sharded with {e}; shard q/k/v projections with "
+        except TensorParallelError as e:
+            raise TensorParallelError(f"{n}: a KHA projection is sharded with {e}; shard q/k/v projections with "
                            "ColwiseParallel (output features), never on their input features.") from None
         if local is None:
             plans[n] = None
@@ -242,7 +234,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
         by_parent.setdefault(_parent(n), set()).add(p is not None)
     mixed = [k for k, v in by_parent.items() if len(v) > 1]
     if mixed:
-        raise KHAError(f"{mixed[0]}: some of its KHA projections are sharded by the plan and some are not. Shard all "
+        raise TensorParallelError(f"{mixed[0]}: some of its KHA projections are sharded by the plan and some are not. Shard all "
                        "q/k/v projections of an attention with ColwiseParallel, or none of them.")
     for n, m in projections:
         layout = plans[n]

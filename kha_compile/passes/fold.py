@@ -19,11 +19,11 @@ from torch import Tensor, nn
 
 from ..errors import FoldError
 from ..modules import transforms_of
+from ..parallel.fsdp import refuse_sharded
 from ..transforms import kind_of
 from .handlers import handler_of, weight_out_axis
 from .insert import kha_modules
 from .rows import fold_rows
-from ..parallel.fsdp import refuse_sharded
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 
@@ -34,7 +34,7 @@ def _stored(module: nn.Module, name: str) -> Tensor:
     """The stored tensor behind ``name`` (dotted, relative to ``module``), not a parametrized view of it."""
     owner_path, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
-    stored = owner._parameters.get(attr)
+    stored: Tensor | None = owner._parameters.get(attr)
     if stored is None:
         stored = owner._buffers.get(attr)
     if stored is None:

@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional, cast
+from collections.abc import Callable
+from typing import cast
 
 from torch import nn
 
 from ..config import KHAConfig
 from ..kinds import Role, SiteKind
 from ..modules import HeadSlot, carries_kha, transforms_of
-from ..transforms import kind_of
 from ..report import AttentionSite
+from ..transforms import kind_of
 from .handlers import PlanEntry, ProjectionHandler, choose_handler, get_handler
 from .layout import slot_from_map
 from .match import RawSite, RoleMatch
 from .trace import Capture
 
-__all__ = ["PlanEntry", "build_sites", "insert", "kha_modules", "MLA_NOTE"]
+__all__ = ["MLA_NOTE", "PlanEntry", "build_sites", "current_transforms", "insert", "kha_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ MLA_NOTE = ("MLA: linear KHA only (MLP-value would break weight absorption, as i
             "heads, and mixing it per head would make it per-head and break the shared cache")
 
 
-def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
+def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
     hm = m.head_map
     if param_space:  # features of the weight's output axis (e.g. rows of in_proj_weight)
         hm = dataclasses.replace(hm, index=m.projection.feature_map[hm.index])
@@ -44,7 +45,7 @@ def _slot(role: str, m: RoleMatch, param_space: bool) -> Optional[HeadSlot]:
     return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
 
-def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: Optional[KHAConfig]
+def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: KHAConfig | None
                 ) -> tuple[list[AttentionSite], list[PlanEntry]]:
     """Report entries for every site (expanded to every repeated block) and the insertion plan."""
     sites: list[AttentionSite] = []
@@ -85,7 +86,7 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: O
                 head_dim=q.head_map.head_dim, v_head_dim=v.head_map.head_dim,
                 q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
                 qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
-            _current_transforms(model, site, paths)
+            current_transforms(model, site, paths)
             notes = [h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
                      for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()]
             site.note = "; ".join(x for x in (site.note, *notes) if x)
@@ -116,18 +117,21 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
     out: list[tuple[str, Callable[[str], str]]] = []
     for orig in cap.groups[list_path][pos]:
         real_prefix = f"{list_path}.{orig}."
-        rename = (lambda p, a=traced_prefix, b=real_prefix: b + p[len(a):] if p.startswith(a) else p)
+
+        def rename(p: str, a: str = traced_prefix, b: str = real_prefix) -> str:
+            return b + p[len(a):] if p.startswith(a) else p
+
         out.append((rename(raw.name + ".")[:-1], rename))
     return out
 
 
-def _name(handler: Optional[ProjectionHandler]) -> str:
+def _name(handler: ProjectionHandler | None) -> str:
     if handler is None:  # pragma: no cover - build_sites never plans a role without a handler
         raise AssertionError("planned a role without a projection handler")
     return handler.name
 
 
-def _current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
+def current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
     """Fill ``site.transforms`` with what the model carries now (after apply)."""
     for r in "qkv":
         try:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.fx import Node
 
-__all__ = ["HeadMap", "read_head_map", "push_layout", "LAYOUT_OPS", "IDENTITY_OPS", "shape_of", "slot_from_map"]
+__all__ = ["IDENTITY_OPS", "LAYOUT_OPS", "HeadMap", "push_layout", "read_head_map", "shape_of", "slot_from_map"]
 
 aten = torch.ops.aten
 
@@ -29,7 +30,7 @@ class HeadMap:
     index: Tensor  # (H, Dh) int64 feature numbers
 
 
-def shape_of(node: Any) -> Optional[tuple[int, ...]]:
+def shape_of(node: Any) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, Node) else None
     if isinstance(val, torch.Tensor):
         try:
@@ -100,8 +101,8 @@ IDENTITY_OPS = {
     aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default, aten.lift_fresh_copy.default,
     aten.dropout.default, aten.type_as.default,
 }
-for _op in IDENTITY_OPS:
-    LAYOUT_OPS[_op] = _identity
+for _same in IDENTITY_OPS:
+    LAYOUT_OPS[_same] = _identity
 
 
 def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Any:
@@ -125,8 +126,9 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
 def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Tensor:
     if node.args[0] is not data_input:
         raise _NotLayout("data input is not indexed")
-    indices = []
-    for ind in node.args[1]:
+    indices: list[Tensor | None] = []
+    raw_indices: Any = node.args[1]
+    for ind in raw_indices:
         if ind is None:
             indices.append(None)
             continue
@@ -145,7 +147,7 @@ def _varies(idx: Tensor, axis: int) -> bool:
     return bool((idx != idx.narrow(axis, 0, 1)).any())
 
 
-def read_head_map(idx: Tensor) -> Optional[HeadMap]:
+def read_head_map(idx: Tensor) -> HeadMap | None:
     """Read (H, Dh) -> feature off an index tensor whose last axis is the head dimension.
 
     The index must vary along the last axis and along at most one other axis (the head axis,
@@ -177,7 +179,7 @@ def read_head_map(idx: Tensor) -> Optional[HeadMap]:
     return HeadMap(rows.shape[0], dh, rows.clone())
 
 
-def slot_from_map(head_map: HeadMap) -> Optional[tuple[int, int]]:
+def slot_from_map(head_map: HeadMap) -> tuple[int, int] | None:
     """(offset, head_stride) when feature(h, j) = offset + h*stride + j; None for other maps."""
     idx = head_map.index
     offset = int(idx[0, 0])

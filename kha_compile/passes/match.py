@@ -15,18 +15,27 @@ import logging
 import operator
 import os
 from collections import deque
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
 from torch.fx import Node
 
-from .layout import HeadMap, LAYOUT_OPS, _NotLayout, push_layout, read_head_map, shape_of
+from .layout import LAYOUT_OPS, HeadMap, _NotLayout, push_layout, read_head_map, shape_of
+from .params import (
+    PROJ_TARGETS,
+    ParamPiece,
+    bias_pieces,
+    param_chain,
+    post_bias,
+    projection_info,
+    root_param,
+    weight_source,
+)
 from .rules import Anchor, attention_rules
 from .rules.manual_softmax import SOFTMAX_OPS
 from .rules.sdpa import SDPA_OPS
-from .params import PROJ_TARGETS, ParamPiece, bias_pieces, post_bias, projection_info, root_param, weight_source
 
-__all__ = ["Projection", "RoleMatch", "RawSite", "MatchGraph", "find_sites", "SDPA_OPS", "SOFTMAX_OPS"]
+__all__ = ["SDPA_OPS", "SOFTMAX_OPS", "MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -51,7 +60,7 @@ class Projection:
     is_module_call: bool  # the node is the owner module's own forward (nn.Linear, Conv1D, ...)
     feature_map: torch.Tensor  # output feature f -> position along the weight's output axis
     input_node: Node
-    out_index: Optional[torch.Tensor] = None  # the op output's shape: feature number of each element
+    out_index: torch.Tensor | None = None  # the op output's shape: feature number of each element
     pieces: list[ParamPiece] = dataclasses.field(default_factory=list)  # weight, then bias pieces
     pieces_reason: str = ""  # why the bias could not be read as parameter pieces
     occurrence: int = 0  # earlier projection calls on the same weight in the calling module's forward
@@ -143,17 +152,12 @@ class MatchGraph:
         return [u for u in n.users if not (u.op == "call_function" and u.target in _ALLOC_OPS)] + self.written_by.get(n, [])
 
     # -- projections ---------------------------------------------------------------------
-    def param_source(self, node: Node, out_axis: int) -> Optional[tuple[str, torch.Tensor]]:
+    def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
         """(param name, feature map) when ``node`` is a parameter seen through layout ops."""
-        chain = []
-        cur = node
-        while cur.op == "call_function":
-            if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
-                return None
-            chain.append(cur)
-            cur = cur.args[0]
-        if cur.op != "placeholder" or cur.name not in self.params:
+        found = param_chain(node, self.params)
+        if found is None:
             return None
+        cur, chain = found
         name = self.params[cur.name]
         if ".kha." in f".{name}":
             return None  # KHA's own transforms are not projections
@@ -165,8 +169,7 @@ class MatchGraph:
         rows = torch.arange(shape[0]).unsqueeze(1).expand(shape)
         cols = torch.arange(shape[1]).unsqueeze(0).expand(shape)
         try:
-            for op in reversed(chain):
-                src = op.args[0]
+            for op, src in reversed(chain):
                 rows = push_layout(rows, op, src, self.constants)
                 cols = push_layout(cols, op, src, self.constants)
         except (_NotLayout, RuntimeError, IndexError, TypeError):
@@ -182,9 +185,9 @@ class MatchGraph:
             return name, c[:, 0].clone()  # features index the parameter's columns
         return None
 
-    def as_projection(self, node: Node) -> Optional[Projection]:
+    def as_projection(self, node: Node) -> Projection | None:
         """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
-        for x, w, axes, out_index in projection_info(node):
+        for x, w, axes, out_index in projection_info(node):  # noqa: B007 - used after the break
             piece = weight_source(w, axes, self.params, self.constants)
             if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
                 break
@@ -208,7 +211,7 @@ class MatchGraph:
             proj.occurrence = self._occurrence(node, root_param(w, self.params))
         return proj
 
-    def _occurrence(self, node: Node, weight: Optional[Node]) -> int:
+    def _occurrence(self, node: Node, weight: Node | None) -> int:
         """How many projection calls on ``weight`` run before ``node`` in its module call."""
         stack = node.meta.get("nn_module_stack") or {}
         scope = self.scope.get(list(stack)[-1], []) if stack else list(self.graph.nodes)
@@ -340,7 +343,7 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
     return False
 
 
-def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[Optional[RoleMatch], str]:
+def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[RoleMatch | None, str]:
     """Push the projection's feature index to ``target`` and read the head map at the head split."""
     path = g.path_nodes(proj.node, target)
     if not path:
@@ -355,17 +358,18 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
     shared = False
     for i in range(len(chain) - 2, -1, -1):
         nxt, cur = chain[i + 1], chain[i]
-        if cur in g.writes.get(nxt, ()) and shape_of(cur) and shape_of(nxt) and shape_of(cur)[-1] < shape_of(nxt)[-1]:
-            expect[i] = shape_of(cur)[-1]  # written into a last-axis slice of a buffer
+        cur_shape, nxt_shape = shape_of(cur), shape_of(nxt)
+        if cur in g.writes.get(nxt, ()) and cur_shape and nxt_shape and cur_shape[-1] < nxt_shape[-1]:
+            expect[i] = cur_shape[-1]  # written into a last-axis slice of a buffer
             shared = True
-        elif nxt.target is aten.cat.default and cur in nxt.args[0] and shape_of(cur) and shape_of(nxt) \
-                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(shape_of(nxt)) - 1) \
-                and shape_of(cur)[-1] != shape_of(nxt)[-1]:
-            expect[i] = shape_of(cur)[-1]
+        elif nxt.target is aten.cat.default and cur in cast(list, nxt.args[0]) and cur_shape and nxt_shape \
+                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1) \
+                and cur_shape[-1] != nxt_shape[-1]:
+            expect[i] = cur_shape[-1]
             shared = True
         else:
             expect[i] = expect[i + 1]
-    found: Optional[HeadMap] = None
+    found: HeadMap | None = None
     stop = ""
     path_set = set(path)
     for i, node in enumerate(chain):
@@ -416,7 +420,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
     frontier = [proj.input_node]
     seen = set()
     for _ in range(depth):
-        nxt = []
+        nxt: list[Node] = []
         for n in frontier:
             if n in seen or n.op != "call_function":
                 continue
@@ -428,7 +432,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
                 continue  # a residual add: the input is the model's hidden stream, not a latent
             if n.target is aten.embedding.default:
                 continue
-            nxt.extend(i for i in n.all_input_nodes if not (i.op == "placeholder"))
+            nxt.extend(i for i in n.all_input_nodes if i.op != "placeholder")
         frontier = nxt
     return False
 
@@ -471,10 +475,14 @@ def find_sites(exported) -> list[RawSite]:
             if not projs:
                 problems.append(f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else ""))
                 continue
-            matches, whys = [], []
+            matches: list[RoleMatch] = []
+            whys: list[str] = []
             for proj in projs:
                 m, w = _role_match(g, role, target, dims[role], proj)
-                (matches if m else whys).append(m or w)
+                if m is not None:
+                    matches.append(m)
+                else:
+                    whys.append(w)
             if not matches:
                 problems.append("; ".join(whys))
                 continue

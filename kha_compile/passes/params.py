@@ -21,15 +21,25 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.fx import Node
+from torch.fx.node import Argument
 
 from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
 
-__all__ = ["PROJ_TARGETS", "ParamPiece", "bias_pieces", "post_bias", "projection_info", "root_param", "weight_source"]
+__all__ = [
+    "PROJ_TARGETS",
+    "ParamPiece",
+    "bias_pieces",
+    "param_chain",
+    "post_bias",
+    "projection_info",
+    "root_param",
+    "weight_source",
+]
 
 aten = torch.ops.aten
 
@@ -88,9 +98,12 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     if out_shape is None:
         return []
     t = node.target
+    x: Argument
+    w: Argument
     if t is aten.einsum.default:
-        operands = node.args[1]
-        if len(operands) != 2 or not all(isinstance(o, Node) for o in operands):
+        raw = node.args[1]
+        operands = [o for o in raw if isinstance(o, Node)] if isinstance(raw, (list, tuple)) else []
+        if len(operands) != 2 or len(cast(list, raw)) != 2:
             return []
         cands = []
         for wi in (1, 0):
@@ -99,7 +112,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
             if ws is None or xs is None:
                 continue
             try:
-                specs, out = _eq_operands(node.args[0], [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
+                specs, out = _eq_operands(cast(str, node.args[0]), [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
             except _NotLayout:
                 return []
             wspec = specs[wi]
@@ -113,7 +126,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
         ws = shape_of(w)
         if not isinstance(w, Node) or not isinstance(x, Node) or ws is None:
             return []
-        dims_b = [d % len(ws) for d in node.args[3]]
+        dims_b = [d % len(ws) for d in cast("list[int]", node.args[3])]
         axes = tuple(i for i in range(len(ws)) if i not in dims_b)
         feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes])
         lead = len(out_shape) - len(axes)
@@ -125,7 +138,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     else:  # mm, matmul: x @ w
         x, w = node.args[0], node.args[1]
         ws = shape_of(w)
-        if ws is None or len(ws) < 2 or not isinstance(w, Node):
+        if ws is None or len(ws) < 2 or not isinstance(w, Node) or not isinstance(x, Node):
             return []
         axes = tuple(i for i in range(len(ws)) if i != len(ws) - 2)
         if len(ws) > 2:  # a batched weight (..., d, n): output (..., m, n) with the weight's batch axes
@@ -157,30 +170,44 @@ def _einsum_index(wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: s
     return feats.reshape(shape).expand(out_shape)
 
 
-def root_param(node: Any, params: dict[str, str]) -> Node | None:
-    """The parameter placeholder behind ``node`` through layout ops, or None."""
+def param_chain(node: Any, params: dict[str, str]) -> tuple[Node, list[tuple[Node, Node]]] | None:
+    """(the parameter placeholder behind ``node``, the layout ops on the way as (op, its data input)).
+
+    Walks back from ``node`` through layout ops only; None when another op is on the way or the
+    walk does not end at a parameter. The chain runs from ``node`` back to the parameter.
+
+    Example::
+
+        found = param_chain(weight_node, params)
+        if found is not None:
+            placeholder, chain = found   # chain == [] when weight_node is the parameter itself
+    """
+    chain: list[tuple[Node, Node]] = []
     cur = node
     while isinstance(cur, Node) and cur.op == "call_function":
-        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
+        src = cur.args[0] if cur.args else None
+        if cur.target not in LAYOUT_OPS or not isinstance(src, Node):
             return None
-        cur = cur.args[0]
+        chain.append((cur, src))
+        cur = src
     if isinstance(cur, Node) and cur.op == "placeholder" and cur.name in params:
-        return cur
+        return cur, chain
     return None
+
+
+def root_param(node: Any, params: dict[str, str]) -> Node | None:
+    """The parameter placeholder behind ``node`` through layout ops, or None."""
+    found = param_chain(node, params)
+    return found[0] if found is not None else None
 
 
 def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
                   ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
     """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
-    chain = []
-    cur = node
-    while cur.op == "call_function":
-        if cur.target not in LAYOUT_OPS or not cur.args or not isinstance(cur.args[0], Node):
-            return None
-        chain.append(cur)
-        cur = cur.args[0]
-    if cur.op != "placeholder" or cur.name not in params:
+    found = param_chain(node, params)
+    if found is None:
         return None
+    cur, chain = found
     shape = shape_of(cur)
     if shape is None or not shape:
         return None
@@ -190,8 +217,8 @@ def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tenso
         view[a] = n
         idx = torch.arange(n).reshape(view).expand(shape)
         try:
-            for op in reversed(chain):
-                idx = push_layout(idx, op, op.args[0], constants)
+            for op, src in reversed(chain):
+                idx = push_layout(idx, op, src, constants)
         except (_NotLayout, RuntimeError, IndexError, TypeError):
             return None
         if not isinstance(idx, Tensor):
@@ -254,14 +281,16 @@ def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str]
     if node.target in _ZERO_OPS:
         return torch.full(shape, -1, dtype=torch.long)
     if node.target is aten.cat.default:
-        parts = [_global_positions(p, params, buffers, table, depth + 1) for p in node.args[0]]
-        if any(p is None for p in parts):
+        inputs = cast("list[Node]", node.args[0])
+        parts = [_global_positions(p, params, buffers, table, depth + 1) for p in inputs]
+        found = [p for p in parts if p is not None]
+        if len(found) != len(parts):
             return None
-        return torch.cat(parts, dim=node.args[1] if len(node.args) > 1 else 0)
+        return torch.cat(found, dim=cast(int, node.args[1]) if len(node.args) > 1 else 0)
     if node.target in LAYOUT_OPS or node.target in IDENTITY_OPS:
         src = node.args[0] if node.args else None
         inner = _global_positions(src, params, buffers, table, depth + 1)
-        if inner is None:
+        if inner is None or not isinstance(src, Node):
             return None
         try:
             return push_layout(inner, node, src, {})

@@ -9,8 +9,6 @@ computed in float32 and cast back. Nothing is written: callers commit the return
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -19,8 +17,8 @@ from ..modules import HeadSlot
 __all__ = ["fold_rows"]
 
 
-def fold_rows(weight: Tensor, bias: Optional[Tensor], slot: HeadSlot, t: Tensor, axis: int, *,
-              detach: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+def fold_rows(weight: Tensor, bias: Tensor | None, slot: HeadSlot, t: Tensor, axis: int, *,
+              detach: bool = True) -> tuple[Tensor, Tensor | None]:
     """New (weight, bias) with ``x -> x @ t`` folded into the head slices of ``slot``.
 
     ``detach=False`` keeps the autograd graph (weight-side execution: gradients reach W, b and t).

@@ -11,14 +11,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["Capture", "capture", "block_signature"]
+__all__ = ["Capture", "block_signature", "capture"]
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ _SIMPLE = (int, float, str, bool, type(None))
 
 
 def _simple_attrs(module: nn.Module) -> dict[str, object]:
-    items = {}
+    items: dict[str, object] = {}
     for key, value in vars(module).items():
         if key.startswith("_") or key == "training":
             continue
@@ -42,7 +43,7 @@ def block_signature(module: nn.Module, ignore: frozenset = frozenset()) -> tuple
     """
     if module is None:  # a ModuleList may hold None placeholders
         return (("", "None", ()),)
-    parts = []
+    parts: list[tuple[object, ...]] = []
     for name, sub in module.named_modules():
         attrs = tuple(sorted((k, v) for k, v in _simple_attrs(sub).items() if (name, k) not in ignore))
         parts.append((name, type(sub).__qualname__, attrs))
@@ -91,7 +92,7 @@ class Capture:
 
     def group_of(self, path: str) -> tuple[str, int] | None:
         """(list path, traced position) of the repeated block a traced path sits in, if any."""
-        for list_path, positions in self.groups.items():
+        for list_path in self.groups:
             prefix = list_path + "."
             if path.startswith(prefix):
                 idx = path[len(prefix):].partition(".")[0]
@@ -130,7 +131,7 @@ def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list
             groups[path] = positions
     try:
         for parent, attr, module, path in swaps:
-            parent._modules[attr] = nn.ModuleList([module[p[0]] for p in groups[path]])
+            parent._modules[attr] = nn.ModuleList([module[p[0]] for p in groups[path]])  # type: ignore[index]
         yield groups
     finally:
         for parent, attr, module, _ in swaps:
@@ -213,7 +214,7 @@ def _exportable(value: object) -> bool:
     from torch.utils import _pytree
     try:
         leaves = _pytree.tree_leaves(value)
-    except Exception:  # noqa: BLE001  # a pytree node that cannot be flattened
+    except Exception:  # a pytree node that cannot be flattened
         return False
     return all(isinstance(leaf, _LEAF_TYPES) for leaf in leaves)
 
@@ -243,13 +244,13 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
         full.extend(it)
         return forward(*full, **kw, **fixed_kwargs)
 
-    model.forward = bound_forward  # type: ignore[method-assign]
+    model.forward = bound_forward
     try:
         yield (tuple(a for i, a in enumerate(args) if i not in fixed_args),
                {k: v for k, v in kwargs.items() if k not in fixed_kwargs})
     finally:
         if had_own:
-            model.forward = forward  # type: ignore[method-assign]
+            model.forward = forward
         else:
             del model.forward
 

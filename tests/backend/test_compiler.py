@@ -10,10 +10,10 @@ import logging
 
 import pytest
 import torch
+from backend_cases import RTOL_GRAD, RTOL_OUT, kha_case, loss_of, rel, run
 from torch import nn
 
 import kha_compile as kc
-from backend_cases import RTOL_GRAD, RTOL_OUT, kha_case, loss_of, rel, run
 from kha_compile.backend import KHABackend
 from kha_compile.errors import BackendOptionError, KHAError
 

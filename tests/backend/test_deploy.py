@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_cases import RTOL_OUT, kha_case, rel, run
 
 import kha_compile as kc
 import zoo
-from backend_cases import RTOL_OUT, kha_case, rel, run
 from kha_compile.errors import CheckpointError, KHAError
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_cases import RTOL_OUT, kha_case, rel, run
 
 import kha_compile as kc
-from backend_cases import RTOL_OUT, kha_case, rel, run
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])  # separate, fused Conv1D, interleaved [H, 3, Dh]

@@ -5,10 +5,10 @@ import operator
 
 import pytest
 import torch
+from backend_cases import RTOL_GRAD, RTOL_OUT, loss_of, rel
 from torch import nn
 
 import kha_compile as kc
-from backend_cases import RTOL_GRAD, RTOL_OUT, loss_of, rel
 
 
 class HandMLP(nn.Module):

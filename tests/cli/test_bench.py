@@ -4,6 +4,7 @@ from __future__ import annotations
 import pathlib
 
 from cli_cases import run
+
 from kha_compile.cli import list_benchmarks
 
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
+from cli_cases import run, trained_checkpoint
 
 import kha_compile as kc
-from cli_cases import run, trained_checkpoint
-from kha_compile import _tiny
+from kha_compile import tiny
 
 
 def test_fold_saves_a_vanilla_model_equal_to_the_kha_model(capsys, tmp_path):
@@ -17,8 +17,8 @@ def test_fold_saves_a_vanilla_model_equal_to_the_kha_model(capsys, tmp_path):
     assert code == 0 and "folded" in out
     folded = LlamaForCausalLM.from_pretrained(str(out_dir)).eval()
     assert not any("kha" in k for k in folded.state_dict())
-    kha_model = kc.load_pretrained(_tiny.make("tiny-llama"), ckpt)
-    plain = _tiny.make("tiny-llama")
+    kha_model = kc.load_pretrained(tiny.make("tiny-llama"), ckpt)
+    plain = tiny.make("tiny-llama")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got, base = (m(ids).logits for m in (kha_model, folded, plain))

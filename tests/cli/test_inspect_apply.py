@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import logging
 
-import kha_compile as kc
 from cli_cases import run
-from kha_compile import _tiny
+
+import kha_compile as kc
+from kha_compile import tiny
 from kha_compile.cli import main
 
 
@@ -35,7 +36,7 @@ def test_apply_writes_the_checkpoint(capsys, tmp_path):
     assert len(names) == 2 * 3 and all(".kha.v." in n for n in names)  # up, gate, down per layer
     assert "v:mlp" in out
     # the checkpoint loads into a fresh model
-    model = kc.load_pretrained(_tiny.make("tiny-llama"), ckpt)
+    model = kc.load_pretrained(tiny.make("tiny-llama"), ckpt)
     assert {s.transforms["v"] for s in kc.inspect(model).matched} == {"mlp"}
 
 

@@ -5,10 +5,9 @@ import dataclasses
 import json
 import sys
 import types
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from cli_cases import run
 
 
@@ -20,9 +19,9 @@ class FakeRecord:
     head_dim: int
     config: dict[str, Any]
     ok: bool
-    registers: Optional[int]
-    spills: Optional[int]
-    shared_bytes: Optional[int]
+    registers: int | None
+    spills: int | None
+    shared_bytes: int | None
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:

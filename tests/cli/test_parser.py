@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from cli_cases import run
 
 import kha_compile as kc
-from cli_cases import run
 from kha_compile.cli import build_parser, main
 
 

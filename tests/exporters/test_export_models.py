@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import kha_compile as kc
-from kha_compile.exporters.onnx import onnx_summary, read_kha_metadata
-
 import zoo
 from helpers import perturb, run
+from kha_compile.exporters.onnx import onnx_summary, read_kha_metadata
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -15,8 +15,14 @@ from torch import nn
 import kha_compile  # noqa: F401  (registers torch.ops.kha.mlp_value)
 from kha_compile.errors import ExportError
 from kha_compile.exporters.onnx import (
-    MLP_VALUE_DOMAIN, MLP_VALUE_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION, dynamic_axes_for,
-    export_onnx, mlp_value_function, onnx_summary,
+    MLP_VALUE_DOMAIN,
+    MLP_VALUE_OP,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    dynamic_axes_for,
+    export_onnx,
+    mlp_value_function,
+    onnx_summary,
 )
 from kha_compile.ops.mlp_value import mlp_value_reference
 

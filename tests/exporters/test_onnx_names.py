@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
-import zoo
-from helpers import perturb
 from torch import nn
 
 import kha_compile as kc
+import zoo
+from helpers import perturb
 from kha_compile.errors import ExportError, ExportNamesError
 from kha_compile.exporters.onnx import METADATA_KEYS, onnx_summary, read_kha_metadata
 
@@ -165,7 +165,7 @@ def test_a_file_from_elsewhere_has_no_kha_metadata(bert, tmp_path):
     del model.metadata_props[:]
     assert read_kha_metadata(model) == {}
     model.metadata_props.add(key="kha_compile.sites", value="[{not json")
-    with pytest.raises(ExportError, match="kha_compile.sites.*not valid JSON"):
+    with pytest.raises(ExportError, match=r"kha_compile.sites.*not valid JSON"):
         read_kha_metadata(model)
 
 

@@ -14,8 +14,14 @@ from kha_compile.exporters import tensorrt as trt_export
 from kha_compile.exporters import tensorrt_plugin as trt_plugin
 from kha_compile.exporters.onnx import PLUGIN_ID, TensorInfo
 from kha_compile.exporters.tensorrt import (
-    BuildPlan, build_plan, export_tensorrt, mlp_value_output_dtype, mlp_value_output_shape,
-    profile_shapes, register_mlp_value_plugin, run_engine,
+    BuildPlan,
+    build_plan,
+    export_tensorrt,
+    mlp_value_output_dtype,
+    mlp_value_output_shape,
+    profile_shapes,
+    register_mlp_value_plugin,
+    run_engine,
 )
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
@@ -112,7 +118,7 @@ def test_profile_shapes_run_the_exported_model(attention_onnx):
     import numpy as np
     import onnxruntime as ort
 
-    model, path, d = attention_onnx
+    model, path, _ = attention_onnx
     inputs = trt_export.onnx_summary(path).inputs
     shapes = profile_shapes(inputs, dim_ranges={"batch": (1, 2, 3), "seq": (1, 6, 9)})
     _check_profile_invariants(inputs, shapes)

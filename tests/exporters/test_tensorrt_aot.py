@@ -51,8 +51,8 @@ def test_symbolic_grid_evaluates_like_the_concrete_one():
     B, L = sympy.symbols("B L", positive=True, integer=True)
     M, _ = taot.plugin_extents((B, 8, L, 128))
     gx, _, _ = taot.launch_grid(M, 32)
-    for b, l in [(1, 1), (1, 3), (2, 100), (4, 2048)]:
-        assert gx.subs({B: b, L: l}) == -(-(b * 8 * l) // 32)
+    for b, n in [(1, 1), (1, 3), (2, 100), (4, 2048)]:
+        assert gx.subs({B: b, L: n}) == -(-(b * 8 * n) // 32)
     # the division TensorRT is given (tensorrt.plugin.cdiv) is the one used
     seen = []
     taot.launch_grid(M, 16, cdiv=lambda a, b: seen.append((a, b)) or "expr")
@@ -104,7 +104,7 @@ def test_plugin_kernel_computes_mlp_value_with_that_grid(monkeypatch, shape):
     block_m = 16
     kernel = km._build_kernels(interpret=True, autotune=False).fwd_plugin
     args = dict(zip(taot.PLUGIN_ARGS, (v, *ws, M, y)))
-    kernel[taot.launch_grid(M, block_m)](*(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km._padded_d(d),
+    kernel[taot.launch_grid(M, block_m)](*(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km.padded_d(d),
                                           BLOCK_M=block_m, PRECISION="ieee")
     torch.testing.assert_close(y, mlp_value_reference(v, *ws), rtol=1e-5, atol=1e-5)
 

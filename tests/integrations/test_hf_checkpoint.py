@@ -5,27 +5,27 @@ import json
 
 import pytest
 import torch
-from helpers import kha_params, perturb
 
 import kha_compile as kc
-from kha_compile import _tiny
+from helpers import kha_params, perturb
+from kha_compile import tiny
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM
 
 CFG = kc.KHAConfig(q="linear", v="mlp")
-IDS = torch.randint(0, _tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _trained():
-    model = _tiny.make("tiny-llama")
+    model = tiny.make("tiny-llama")
     kc.apply(model, CFG)
     perturb(model, scale=0.2)
     return model
 
 
 def test_config_records_kha_and_fold_drops_it():
-    model = _tiny.make("tiny-llama")
+    model = tiny.make("tiny-llama")
     assert not hasattr(model.config, "kha_compile")
     kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
     assert model.config.kha_compile == {"version": model.config.kha_compile["version"], "q": "linear", "k": None,
@@ -61,8 +61,8 @@ def test_from_pretrained_alone_reports_kha_keys_as_unexpected(tmp_path, caplog):
 
 
 def test_hf_dir_without_kha_entry_is_refused(tmp_path):
-    _tiny.make("tiny-llama").save_pretrained(tmp_path)
-    model = _tiny.make("tiny-llama")
+    tiny.make("tiny-llama").save_pretrained(tmp_path)
+    model = tiny.make("tiny-llama")
     with pytest.raises(kc.KHAError, match="kha_compile"):
         kc.load_pretrained(model, tmp_path)
     assert not kha_params(model)
@@ -72,7 +72,7 @@ def _trainer(model, out, max_steps):
     from transformers import Trainer, TrainingArguments
 
     gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, _tiny.VOCAB, (16, 8), generator=gen)]
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, tiny.VOCAB, (16, 8), generator=gen)]
     args = TrainingArguments(str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
                              learning_rate=1e-2, report_to=[], use_cpu=True, seed=0, data_seed=0,
                              logging_strategy="no", lr_scheduler_type="constant")
@@ -81,7 +81,7 @@ def _trainer(model, out, max_steps):
 
 def test_trainer_resume_matches_uninterrupted_run(tmp_path):
     def fresh():
-        model = _tiny.make("tiny-llama").train()
+        model = tiny.make("tiny-llama").train()
         kc.apply(model, CFG)
         return model
 

@@ -5,17 +5,17 @@ import copy
 
 import pytest
 import torch
-from helpers import kha_params, perturb
 
 import kha_compile as kc
-from kha_compile import _tiny
+from helpers import kha_params, perturb
+from kha_compile import tiny
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 MLP = kc.KHAConfig(q="linear", v="mlp")
-IDS = torch.randint(0, _tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _lora(model, targets=("q_proj", "v_proj")):
@@ -29,7 +29,7 @@ def _lora(model, targets=("q_proj", "v_proj")):
 
 
 def _build(order: str, cfg: kc.KHAConfig):
-    model = _tiny.make("tiny-llama")
+    model = tiny.make("tiny-llama")
     if order == "lora_then_kha":
         p = _lora(model)
         kc.apply(p, cfg)  # no example inputs: built from the transformers model inside
@@ -43,7 +43,7 @@ def _build(order: str, cfg: kc.KHAConfig):
 
 def _reference(p, cfg) -> torch.Tensor:
     """T(Wx + BAx) computed by hand: merge LoRA into a plain copy, then give it KHA with the same weights."""
-    base = _tiny.make("tiny-llama")
+    base = tiny.make("tiny-llama")
     merged = copy.deepcopy(p)
     kc.remove(merged)
     merged = merged.merge_and_unload()
@@ -108,7 +108,7 @@ def test_gradients_reach_lora_and_kha(order):
 
 def test_lora_after_kha_is_rewired_before_the_first_forward():
     """Without mark_trainable, the forward is still T(Wx + BAx) (KHA simply stays frozen)."""
-    model = _tiny.make("tiny-llama")
+    model = tiny.make("tiny-llama")
     kc.apply(model, LINEAR)
     p = _lora(model)
     perturb(p, scale=0.2)
@@ -120,7 +120,7 @@ def test_lora_after_kha_is_rewired_before_the_first_forward():
 
 
 def test_fold_without_forward_rewires_first():
-    model = _tiny.make("tiny-llama")
+    model = tiny.make("tiny-llama")
     kc.apply(model, LINEAR)
     p = _lora(model)
     perturb(p, scale=0.2)
@@ -137,16 +137,16 @@ def test_canonical_checkpoint_loads_into_plain_and_peft_models(order, tmp_path):
 
     keys = set(load_file(str(tmp_path / "kha_model.safetensors")))
     assert keys and not any("base_model" in k or "base_layer" in k for k in keys)
-    plain = _tiny.make("tiny-llama")
+    plain = tiny.make("tiny-llama")
     kc.apply(plain, MLP)
     assert keys == set(kha_params(plain))
-    kc.backend(from_pretrained=tmp_path, model=_tiny.make("tiny-llama"))  # deploy mode validates names now
-    fresh = kc.load_pretrained(_tiny.make("tiny-llama"), tmp_path)
+    kc.backend(from_pretrained=tmp_path, model=tiny.make("tiny-llama"))  # deploy mode validates names now
+    fresh = kc.load_pretrained(tiny.make("tiny-llama"), tmp_path)
     torch.testing.assert_close(kha_params(fresh)["model.layers.0.self_attn.v_proj.kha.v.up"],
                                dict(p.named_parameters())[
                                    "base_model.model.model.layers.0.self_attn.v_proj.kha.v.up"])
     # into a PEFT model: canonical keys map back onto the wrappers
-    target = _lora(_tiny.make("tiny-llama"))
+    target = _lora(tiny.make("tiny-llama"))
     src = dict(p.named_parameters())
     with torch.no_grad():
         for n, q in target.named_parameters():
@@ -166,9 +166,9 @@ def test_inspect_peft_model_reports_wrappers():
 
 
 def test_apply_on_merged_adapters_refused():
-    p = _lora(_tiny.make("tiny-llama"))
+    p = _lora(tiny.make("tiny-llama"))
     p.merge_adapter()
-    with pytest.raises(kc.KHAError, match="merged"):
+    with pytest.raises(kc.errors.UnsupportedModelError, match="merged"):
         kc.apply(p, LINEAR)
     assert not kha_params(p)
 
@@ -183,7 +183,7 @@ def test_example_lora_kha_runs():
 def test_fused_qkv_conv1d_gpt2_merge_and_fold_commute(order):
     """GPT-2's fused c_attn (Conv1D, weight (in, out)): per-role slots of one wrapper, lora_B rows."""
     cfg = kc.KHAConfig(q="linear", k="linear", v="linear")
-    model = _tiny.make("tiny-gpt2")
+    model = tiny.make("tiny-gpt2")
     lora_cfg = LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
     if order == "lora_then_kha":
         p = get_peft_model(model, lora_cfg)

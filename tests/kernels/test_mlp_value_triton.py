@@ -265,9 +265,9 @@ def test_autotuned_launch_path(monkeypatch, M, d):
         assert _rel_err(g, w) < TOL[torch.bfloat16]
     kinds = ["fwd", "dv", "dw"] if d > 64 else ["fwd", "fused"]
     for kind in kinds:  # each launch went through its own tuner, which benchmarked every config
-        cls = km._config_class(kind, km._padded_d(d), torch.bfloat16)
+        cls = km.config_class(kind, km.padded_d(d), torch.bfloat16)
         assert tuned.tuner(kind, cls).best_config is not None, kind
-    assert len(benched) == sum(len(km._CONFIGS[(k, km._config_class(k, km._padded_d(d), torch.bfloat16))])
+    assert len(benched) == sum(len(km.CONFIGS[(k, km.config_class(k, km.padded_d(d), torch.bfloat16))])
                                for k in kinds)
 
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile import tiny
 from kha_compile.errors import ShardedModelError
 
 TOL = 1e-5
@@ -33,7 +33,7 @@ def shard(model):
 
 
 def kha_model():
-    model = _tiny.make("tiny-llama").train()
+    model = tiny.make("tiny-llama").train()
     kc.apply(model, LINEAR)
     return model
 
@@ -87,7 +87,7 @@ def main(out: pathlib.Path) -> None:
     check_ddp()
 
     # 1. apply / inspect after fully_shard: refused before anything is touched; the model still trains
-    late = shard(_tiny.make("tiny-llama").train())
+    late = shard(tiny.make("tiny-llama").train())
     before = {k: v.full_tensor().clone() for k, v in late.state_dict().items()}
     for call in (lambda: kc.apply(late, LINEAR), lambda: kc.inspect(late)):
         try:
@@ -119,9 +119,9 @@ def main(out: pathlib.Path) -> None:
     written = sorted(p.name for p in (out / "kha").iterdir())
     assert written == ["kha_config.json", "kha_model.safetensors"], written  # complete once save returns
     if rank == 0:
-        fresh = kc.load_pretrained(_tiny.make("tiny-llama"), out / "kha")  # single process, not sharded
+        fresh = kc.load_pretrained(tiny.make("tiny-llama"), out / "kha")  # single process, not sharded
         assert (logits(fresh, ids) - ref).abs().max() < TOL
-        assert (ref - logits(_tiny.make("tiny-llama"), ids)).abs().max() > 1e-3  # training moved the logits
+        assert (ref - logits(tiny.make("tiny-llama"), ids)).abs().max() > 1e-3  # training moved the logits
     blocker = out / "a_file"  # rank 0 cannot create a directory under a file: every rank hears of it
     if rank == 0:
         blocker.write_text("x")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.tensor  # before kha_compile: then its import registers mlp_value's DTensor rule
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile import tiny
 
 TOL = 1e-5
 
@@ -72,9 +72,9 @@ def make(name, cfg, **llama):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        model = LlamaForCausalLM._from_config(LlamaConfig(**_tiny._DECODER, **llama), attn_implementation="sdpa")
+        model = LlamaForCausalLM._from_config(LlamaConfig(**tiny.DECODER, **llama), attn_implementation="sdpa")
     else:
-        model = _tiny.make(name)
+        model = tiny.make(name)
     model.train()
     kc.apply(model, cfg)
     perturb(model)
@@ -85,7 +85,7 @@ def steps(model, ids_list, n=2, lr=0.5, loss_group=None):
     """Losses, KHA grads of the first step and KHA weights after n SGD steps (full tensors)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], None
-    for i in range(n):
+    for _ in range(n):
         opt.zero_grad()
         loss = sum(model(input_ids=ids, labels=ids, use_cache=False).loss for ids in ids_list) / len(ids_list)
         loss.backward()
@@ -189,7 +189,7 @@ def main_tp():
     model = make("tiny-llama", MLP, num_key_value_heads=1)
     try:
         kc.parallelize(model, mesh, llama_plan(model))
-    except kc.KHAError as e:
+    except kc.errors.TensorParallelError as e:
         assert "split across ranks" in str(e) and "divides" in str(e), e
     else:
         raise AssertionError("MQA over 2 ranks was not refused")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _launch import expect, torchrun
 
-from kha_compile.errors import KHAError
+from kha_compile.errors import TensorParallelError
 from kha_compile.modules import HeadSlot
 from kha_compile.parallel.tensor_parallel import local_slots
 
@@ -56,7 +56,7 @@ def test_local_slots_interleaved_and_fused_blocks():
     rank1 = torch.arange(24, 48)  # ColwiseParallel over 2 ranks: heads 2, 3
     assert local_slots("qkv", inter, rank1) == tuple(_slot(r, i * 4, 2, 4, 12) for i, r in enumerate("qkv"))
     blocks = (_slot("q", 0, 4, 4, 4), _slot("k", 16, 2, 4, 4), _slot("v", 24, 2, 4, 4))  # [Q|K|V], GQA
-    with pytest.raises(KHAError, match="holds no 'q' head"):  # rank 1 of 2 holds features 16..31: K and V only
+    with pytest.raises(TensorParallelError, match="holds no 'q' head"):  # rank 1 of 2 holds features 16..31: K and V only
         local_slots("qkv", blocks, torch.arange(16, 32))
-    with pytest.raises(KHAError, match="head 0 of role 'k' is split across ranks"):
+    with pytest.raises(TensorParallelError, match="head 0 of role 'k' is split across ranks"):
         local_slots("k_proj", (_slot("k", 0, 1, 8, 8),), torch.arange(0, 4))

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 import kha_compile as kc
+import zoo
+from helpers import kha_params, perturb, run, run_python
 from kha_compile.errors import FoldError
 from kha_compile.modules import HeadSlot, KHAMultiheadAttention, KHAProjection
 from kha_compile.passes.fold import fold_rows
-
-import zoo
-from helpers import kha_params, perturb, run, run_python
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 

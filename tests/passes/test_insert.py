@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 
 import kha_compile as kc
-from kha_compile.passes.insert import MLA_NOTE
-
 import zoo
 from helpers import kha_params, run
+from kha_compile.passes.insert import MLA_NOTE
 
 
 def test_mla_tq_covers_the_whole_query_head_and_tk_the_per_head_no_rope_key_part():

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import kha_compile as kc
-
 import zoo
 from helpers import run
 

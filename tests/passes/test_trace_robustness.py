@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from form_checks import check_form
 from torch import nn
 
 import kha_compile as kc
+from form_checks import check_form
 from kha_compile.errors import AnalysisError
 
 D, H, T = 32, 4, 6

@@ -6,11 +6,10 @@ import torch
 from torch import nn
 
 import kha_compile as kc
-from kha_compile.errors import KHAConfigError, UnknownTransformError
-from kha_compile.transforms import TransformKind, base, get_transform, register_transform, transform_kinds
-
 import zoo
 from helpers import kha_params, perturb, run
+from kha_compile.errors import KHAConfigError, UnknownTransformError
+from kha_compile.transforms import TransformKind, base, get_transform, register_transform, transform_kinds
 
 
 class Scale(nn.Module):
@@ -54,7 +53,7 @@ def test_builtin_kinds_and_their_roles():
     assert list(kinds)[:2] == ["linear", "mlp"]
     assert kinds["linear"].roles == ("q", "k", "v") and kinds["linear"].foldable
     assert kinds["mlp"].roles == ("v",) and not kinds["mlp"].foldable
-    with pytest.raises(UnknownTransformError, match="unknown KHA transform kind 'gate'.*'linear', 'mlp'"):
+    with pytest.raises(UnknownTransformError, match=r"unknown KHA transform kind 'gate'.*'linear', 'mlp'"):
         get_transform("gate")
     assert issubclass(UnknownTransformError, KHAConfigError)
 

@@ -15,7 +15,7 @@ from .deploy import DeployKHA, TransformCall
 from .fold_linear import FoldLinearKHA
 from .fuse_mlp_value import FuseMLPValue
 
-__all__ = ["RULES", "Rule", "RuleSetup", "Declined", "DeployKHA", "FuseMLPValue", "FoldLinearKHA", "TransformCall"]
+__all__ = ["RULES", "Declined", "DeployKHA", "FoldLinearKHA", "FuseMLPValue", "Rule", "RuleSetup", "TransformCall"]
 
 # the rules in the order they run on every graph
 RULES: tuple[type[Rule], ...] = (DeployKHA, FuseMLPValue, FoldLinearKHA)

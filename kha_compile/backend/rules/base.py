@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, ClassVar, Iterator, Optional, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Protocol
 
 from torch import fx
 
@@ -11,7 +12,7 @@ from ...errors import BackendError, KHAError
 from ..graph import BackendOptions, GraphContext
 from ..stats import Decline, RuleName, Verdict, fail
 
-__all__ = ["Rule", "Match", "Declined", "RuleSetup"]
+__all__ = ["Declined", "Match", "Rule", "RuleSetup"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class RuleSetup:
     """What a backend hands each rule class to build its rule for one graph."""
 
     options: BackendOptions
-    deploy_entries: Optional[Sequence[Any]] = None   # deploy.DeployEntry list in deploy mode, else None
+    deploy_entries: Sequence[Any] | None = None   # deploy.DeployEntry list in deploy mode, else None
 
 
 class Rule:
@@ -53,7 +54,7 @@ class Rule:
     error: ClassVar[type[BackendError]] = BackendError   # what a strict rule raises
 
     @classmethod
-    def create(cls, setup: RuleSetup) -> Optional["Rule"]:
+    def create(cls, setup: RuleSetup) -> Rule | None:
         """The rule for one graph under ``setup``, or None when it does not run."""
         return cls()
 

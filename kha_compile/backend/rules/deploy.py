@@ -8,11 +8,14 @@ code as a model with KHA applied), with the checkpoint tensors as extra graph in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, fx
 
 from ...errors import BackendError, DeployError
+from ...kinds import Role
 from ..deploy import DeployEntry, RoleTransform
 from ..deps import TRANSFORM_PARAMS, HeadSlot, KHAProjection, KHATransforms, make_transform
 from ..graph import GraphContext
@@ -42,7 +45,7 @@ class TransformCall:
     ``tensors`` are the roles' tensors in role order (``TRANSFORM_PARAMS[kind]`` order within a role).
     """
 
-    def __init__(self, slots: Sequence[HeadSlot], kinds: dict[str, str], out_features: int, name: str):
+    def __init__(self, slots: Sequence[HeadSlot], kinds: Mapping[Role, str], out_features: int, name: str):
         self.slots = tuple(slots)
         self.kinds = dict(kinds)                       # role -> kind, in the order of the tensors
         self.out_features = out_features
@@ -56,7 +59,7 @@ class TransformCall:
         it = iter(tensors)
         for role, kind in self.kinds.items():
             head_dim = next(s.head_dim for s in self.slots if s.role == role)
-            t = make_transform(kind, head_dim, device="meta")
+            t = make_transform(kind, head_dim, device=torch.device("meta"))
             for pname in TRANSFORM_PARAMS[kind]:
                 delattr(t, pname)
                 setattr(t, pname, next(it))            # a plain tensor attribute: the graph input
@@ -88,7 +91,7 @@ class DeployKHA(Rule):
         self.entries = list(entries)
 
     @classmethod
-    def create(cls, setup: RuleSetup) -> Optional[Rule]:
+    def create(cls, setup: RuleSetup) -> Rule | None:
         return cls(setup.deploy_entries) if setup.deploy_entries is not None else None
 
     def pattern(self, ctx: GraphContext) -> Iterator[Any]:

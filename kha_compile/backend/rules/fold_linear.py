@@ -10,7 +10,8 @@ features; the layout ops around it stay and cost nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, fx
@@ -30,7 +31,7 @@ __all__ = ["FoldLinearKHA"]
 class _Transform:
     matmul: fx.Node              # the ``x @ T`` node
     t: fx.Node                   # its T input
-    slot: Optional[HeadSlot]     # the head slices of the projection output it reads, if it reads such
+    slot: HeadSlot | None     # the head slices of the projection output it reads, if it reads such
 
 
 @dataclasses.dataclass

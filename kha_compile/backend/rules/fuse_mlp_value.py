@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, fx
 
-from ..graph import (MUL_FNS, MUL_METHODS, SIGMOID_FNS, SIGMOID_METHODS, GraphContext, erase_dead, is_call,
-                     is_matmul)
+from ..graph import MUL_FNS, MUL_METHODS, SIGMOID_FNS, SIGMOID_METHODS, GraphContext, erase_dead, is_call, is_matmul
 from ..stats import RuleName, Verdict, fail, ok
 from .base import Rule, RuleSetup
 
 __all__ = ["FuseMLPValue"]
 
-_Leaf = Union[fx.Node, int, float]
+_Leaf = fx.Node | int | float
 
 
 @dataclasses.dataclass
@@ -31,7 +31,7 @@ class _MLPMatch:
         return [self.anchor, *self.internal]
 
 
-def _mul_leaves(node: Any, internal: list[fx.Node], root: bool = True) -> Optional[list[_Leaf]]:
+def _mul_leaves(node: Any, internal: list[fx.Node], root: bool = True) -> list[_Leaf] | None:
     """Flatten a tree of ``*`` into its factors (nodes and numbers); internal mul nodes are collected."""
     if isinstance(node, fx.Node) and is_call(node, MUL_FNS, MUL_METHODS) and len(node.args) == 2 \
             and not node.kwargs and (root or len(node.users) == 1):
@@ -59,7 +59,7 @@ class FuseMLPValue(Rule):
     name: ClassVar[RuleName] = "fuse_mlp_value"
 
     @classmethod
-    def create(cls, setup: RuleSetup) -> Optional[Rule]:
+    def create(cls, setup: RuleSetup) -> Rule | None:
         return cls() if setup.options.get("fuse_mlp", True) else None
 
     def pattern(self, ctx: GraphContext) -> Iterator[_MLPMatch]:
@@ -71,7 +71,7 @@ class FuseMLPValue(Rule):
                 yield match
 
     @staticmethod
-    def _match_at(mm: fx.Node) -> Optional[_MLPMatch]:
+    def _match_at(mm: fx.Node) -> _MLPMatch | None:
         h, down = mm.args
         internal: list[fx.Node] = []
         leaves = _mul_leaves(h, internal)

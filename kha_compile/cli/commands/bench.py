@@ -6,12 +6,12 @@ import ast
 import pathlib
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from ...errors import CommandError
 from ..ui import UI
 
-__all__ = ["NAME", "register", "run", "list_benchmarks", "benchmarks_dir"]
+__all__ = ["NAME", "benchmarks_dir", "list_benchmarks", "register", "run"]
 
 NAME = "bench"
 
@@ -32,7 +32,7 @@ def benchmarks_dir() -> pathlib.Path:
     return here if here.is_dir() else pathlib.Path.cwd() / "benchmarks"
 
 
-def list_benchmarks(directory: Optional[pathlib.Path] = None) -> dict[str, str]:
+def list_benchmarks(directory: pathlib.Path | None = None) -> dict[str, str]:
     """``{name: first line of its docstring}`` for every ``benchmarks/*.py`` (not ``_*.py``).
 
     Example::

@@ -18,7 +18,7 @@ from ..models import MODEL_HELP, export_target, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
 from ..ui import UI, fmt_diff, kv_table, ok_mark
 
-__all__ = ["NAME", "register", "run", "prepare_output"]
+__all__ = ["NAME", "prepare_output", "register", "run"]
 
 log = logging.getLogger(__name__)
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha
 from ..ui import UI, report_table
 
-__all__ = ["NAME", "register", "run_inspect", "run_apply", "kind_choice"]
+__all__ = ["NAME", "kind_choice", "register", "run_apply", "run_inspect"]
 
 NAME = "inspect, apply"
 

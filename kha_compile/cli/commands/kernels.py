@@ -10,12 +10,13 @@ import argparse
 import json
 import pathlib
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ...errors import BackendUnavailableError
 from ..ui import UI, ok_mark
 
-__all__ = ["NAME", "register", "run", "parse_archs", "load_compile_variants"]
+__all__ = ["NAME", "load_compile_variants", "parse_archs", "register", "run"]
 
 NAME = "kernels"
 

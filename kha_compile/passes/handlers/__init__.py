@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import logging
 import pkgutil
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -42,8 +42,18 @@ from .base import HANDLER_ATTR, ModuleProjectionHandler, PlanEntry, ProjectionHa
 if TYPE_CHECKING:
     from ..match import RoleMatch
 
-__all__ = ["ProjectionHandler", "ModuleProjectionHandler", "PlanEntry", "register_handler", "projection_handlers",
-           "get_handler", "choose_handler", "handler_of", "weight_out_axis", "owner_of"]
+__all__ = [
+    "ModuleProjectionHandler",
+    "PlanEntry",
+    "ProjectionHandler",
+    "choose_handler",
+    "get_handler",
+    "handler_of",
+    "owner_of",
+    "projection_handlers",
+    "register_handler",
+    "weight_out_axis",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +120,7 @@ def get_handler(name: str) -> ProjectionHandler:
                         f"{', '.join(h.name for h in _HANDLERS)}.")
 
 
-def choose_handler(model: nn.Module, m: "RoleMatch") -> tuple[Optional[ProjectionHandler], str]:
+def choose_handler(model: nn.Module, m: RoleMatch) -> tuple[ProjectionHandler | None, str]:
     """The first handler that accepts the role's projection, or (None, the first reason given)."""
     reasons = []
     for h in projection_handlers():

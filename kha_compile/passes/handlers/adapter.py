@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import FoldError, KHAError
+from ...errors import FoldError, NoKHATransformsError, UnsupportedModelError
+from ...mixins import mixin_class
 from ...modules import (
     HeadSlot,
     KHAProjection,
@@ -114,7 +115,7 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     wrappers = [m for m in model.modules() if accepts(m)]
     merged = [type(m).__name__ for m in wrappers if getattr(m, "merged", False)]
     if merged:
-        raise KHAError(f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
+        raise UnsupportedModelError(f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
                        "unmerged (call peft_model.unmerge_adapter()) or fully merged and unloaded "
                        "(peft_model.merge_and_unload()) first.")
     saved = [(m, m.__dict__.get("_disable_adapters")) for m in wrappers]
@@ -153,7 +154,7 @@ def retarget(model: nn.Module, plan: list, sites: list) -> None:
         new = outer(entry.module_path)
         if new != entry.module_path and entry.handler in ("linear", "conv1d"):
             entry.module_path, entry.handler = new, "adapter"
-    from ..insert import _current_transforms
+    from ..insert import current_transforms
 
     for site in sites:
         paths = {}
@@ -163,7 +164,7 @@ def retarget(model: nn.Module, plan: list, sites: list) -> None:
                 paths[role] = outer(value)
                 setattr(site, f"{role}_proj", paths[role])
         if len(paths) == 3 and getattr(site, "status", "") == "matched":
-            _current_transforms(model, site, paths)
+            current_transforms(model, site, paths)
 
 
 class KHAAdapterProjection(KHAProjection):
@@ -181,17 +182,9 @@ class KHAAdapterProjection(KHAProjection):
         return base
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def _adapter_class(base_cls: type) -> type:
-    cls = _CLASSES.get(base_cls)
-    if cls is None:
-        name = f"KHAAdapter{base_cls.__name__}"
-        cls = type(name, (KHAAdapterProjection, base_cls), {"__module__": __name__, "__qualname__": name,
-                                                            "_kha_base_class": base_cls})
-        _CLASSES[base_cls] = cls
-    return cls
+    return mixin_class(KHAAdapterProjection, base_cls, f"KHAAdapter{base_cls.__name__}", __name__,
+                       _kha_base_class=base_cls)
 
 
 def _ref_param(module: Any) -> Tensor | None:
@@ -394,7 +387,7 @@ def mark_trainable(model: nn.Module, trainable: bool = True) -> nn.Module:
             p.requires_grad_(trainable)
             count += 1
     if not count:
-        raise KHAError(f"{type(model).__name__} carries no KHA parameters; call kc.apply(model) first.")
+        raise NoKHATransformsError(f"{type(model).__name__} carries no KHA parameters; call kc.apply(model) first.")
     return model
 
 

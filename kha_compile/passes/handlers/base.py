@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from ...errors import FoldError
-from ...modules import HeadSlot, KHAProjection, attach, detach, transforms_of
+from ...modules import HeadSlot, KHAProjection, attach, detach, set_strategy, transforms_of
 from ...transforms import kind_of
 from ..rows import fold_rows
 
 if TYPE_CHECKING:
     from ..match import RoleMatch
 
-__all__ = ["PlanEntry", "ProjectionHandler", "ModuleProjectionHandler", "weight_out_axis", "owner_of", "HANDLER_ATTR"]
+__all__ = ["HANDLER_ATTR", "ModuleProjectionHandler", "PlanEntry", "ProjectionHandler", "owner_of", "weight_out_axis"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class PlanEntry:
     extra: Any = None  # a handler's own plan, for handlers that plan roles themselves (``plans_roles``)
 
 
-def owner_of(model: nn.Module, m: "RoleMatch") -> Optional[nn.Module]:
+def owner_of(model: nn.Module, m: RoleMatch) -> nn.Module | None:
     """The module that owns the role's projection weight, or None."""
     try:
         return model.get_submodule(m.projection.module_path)
@@ -71,17 +72,17 @@ class ProjectionHandler:
     param_space: ClassVar[bool] = False
     plans_roles: ClassVar[bool] = False  # True: head positions come from plan_role, not affine HeadSlots
 
-    def plan_role(self, entry: PlanEntry, role: str, m: "RoleMatch", kind: str) -> None:
+    def plan_role(self, entry: PlanEntry, role: str, m: RoleMatch, kind: str) -> None:
         """Record ``role`` of a matched site in ``entry`` (``entry.extra``, ``entry.kinds``); only
         called when ``plans_roles`` is True."""
         raise NotImplementedError
 
-    def describe(self, model: nn.Module, roles: dict[str, "RoleMatch"],
+    def describe(self, model: nn.Module, roles: dict[str, RoleMatch],
                  rename: Callable[[str], str] = lambda p: p) -> str:
         """A site-report note for the roles this handler carries ('' when there is nothing to say)."""
         return ""
 
-    def accepts(self, model: nn.Module, m: "RoleMatch") -> tuple[bool, str]:
+    def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         """``(True, "")``: this handler owns the projection; ``(False, why)``: try the next one
         (a non-empty ``why`` is reported when no handler takes it)."""
         raise NotImplementedError
@@ -105,7 +106,7 @@ class ProjectionHandler:
         """
         raise FoldError(f"the {self.name!r} projection handler cannot fold KHA transforms. Nothing was changed.")
 
-    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]] | None:
         """The parameters to run ``module`` with so its output carries the linear transforms of ``roles``.
 
         Like :meth:`fold`, but differentiable (autograd records the fold, so W, b and T get exact
@@ -129,7 +130,7 @@ def _base_class(module: nn.Module) -> type[nn.Module]:
     return cls
 
 
-def weight_out_axis(module: nn.Module, out_features: Optional[int] = None) -> Optional[int]:
+def weight_out_axis(module: nn.Module, out_features: int | None = None) -> int | None:
     """Which axis of ``module.weight`` indexes output features: 0 (``y = x W^T``), 1 (``y = x W``), None.
 
     Told by the weight's shape when ``out_features`` settles it, else by behaviour: one small
@@ -178,26 +179,26 @@ class ModuleProjectionHandler(ProjectionHandler):
         attach(module, tuple(entry.slots), entry.kinds, entry.out_features)
         setattr(module, HANDLER_ATTR, self.name)
         if entry.strategy != "auto":
-            setattr(module, "kha_strategy", entry.strategy)
+            set_strategy(module, entry.strategy)
 
     def detach(self, module: nn.Module) -> None:
         module.__dict__.pop(HANDLER_ATTR, None)
         detach(module)
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
-        axis = weight_out_axis(module, getattr(module, "_kha_out_features"))
+        axis = weight_out_axis(module, module.__dict__["_kha_out_features"])
         if axis is None:
             raise FoldError(f"cannot fold into {_base_class(module).__name__}: the orientation of its weight "
                             "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
                             "Nothing was changed.")
         return self._folded(module, roles, axis, detach=True)
 
-    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]] | None:
         if not isinstance(module._parameters.get("weight"), Tensor):
             return None
         axis = module.__dict__.get("_kha_weight_axis")
         if axis is None:
-            axis = weight_out_axis(module, getattr(module, "_kha_out_features"))
+            axis = weight_out_axis(module, module.__dict__["_kha_out_features"])
             if axis is None:
                 return None
             module.__dict__["_kha_weight_axis"] = axis
@@ -206,11 +207,11 @@ class ModuleProjectionHandler(ProjectionHandler):
     @staticmethod
     def _folded(module: nn.Module, roles: Sequence[str], axis: int, *, detach: bool) -> list[tuple[str, Tensor]]:
         """(name, tensor) of weight and bias with the transforms of ``roles`` folded in (fold_rows per slot)."""
-        slots: list[HeadSlot] = [s for s in getattr(module, "_kha_slots") if s.role in roles]
+        slots: list[HeadSlot] = [s for s in module.__dict__["_kha_slots"] if s.role in roles]
         if not slots:
             return []
-        w: Tensor = getattr(module, "weight")
-        b: Optional[Tensor] = getattr(module, "bias", None)
+        w: Tensor = module.get_parameter("weight")
+        b: Tensor | None = getattr(module, "bias", None)
         for s in slots:
             kha = transforms_of(module)[s.role]
             w, b = fold_rows(w, b, s, kind_of(kha).fold_matrix(kha), axis, detach=detach)

@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from ...errors import FoldError, KHAError
+from ...errors import AlreadyAppliedError, FoldError, InternalError
 from ...modules import KHATransforms, is_kha_projection, make_transform, transforms_of
 from ...parametrized import (
     ParamSlot,
@@ -154,7 +154,7 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     """(feature axes, (H, Dh) positions in the flattened output, bias added after the op)."""
     idx = m.projection.out_index
     if idx is None:  # pragma: no cover - every projection carries it
-        raise KHAError("projection without an output index; this is a bug")
+        raise InternalError("projection without an output index; this is a bug")
     axes = tuple(a for a in range(idx.dim()) if idx.shape[a] > 1 and bool((idx != idx.narrow(a, 0, 1)).any()))
     moved = idx.movedim(axes, tuple(range(idx.dim() - len(axes), idx.dim())))
     feats = moved.reshape(-1, int(torch.Size([idx.shape[a] for a in axes]).numel()))[0]  # position -> feature
@@ -186,9 +186,10 @@ def add_role(entry: Any, role: str, m: RoleMatch, kind: str) -> None:
                 owner, attr = _owner_attr(path)
                 params.append((_relative(home, owner) or "", attr, slot))
     else:
-        axes, positions, post = _call_plan(m)
+        axes, positions, post = _call_plan(m)  # refuses a projection without an output index
         owner, attr = _owner_attr(m.projection.param)
-        call = (_relative(home, owner) or "", attr, m.projection.occurrence, int(m.projection.out_index.dim()),
+        ndim = int(cast(Tensor, m.projection.out_index).dim())
+        call = (_relative(home, owner) or "", attr, m.projection.occurrence, ndim,
                 axes, positions, post)
     extra.roles[role] = RolePlan(kind, m.head_map.head_dim, params, call)
     entry.kinds[role] = kind
@@ -220,7 +221,7 @@ def describe(model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[st
 
 def _switch(module: nn.Module) -> None:
     if is_kha_projection(module) or isinstance(module, nn.MultiheadAttention):
-        raise KHAError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
+        raise AlreadyAppliedError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
                        "parametrize its parameters.")
     if not is_kha_functional(module):
         module.__class__ = functional_class_for(type(module))
@@ -236,7 +237,7 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
                                 for r, p in extra.roles.items()})
     plans = [(r, p, [module.get_submodule(path) for path, _, _ in p.params],
               module.get_submodule(p.call[0]) if p.call is not None else None) for r, p in extra.roles.items()]
-    for _, _, mods, w_owner in plans:  # resolve everything before changing anything
+    for _, _, mods, _ in plans:  # resolve everything before changing anything
         for mod in [module, *mods]:
             _switch(mod)
     module.kha = transforms
@@ -254,7 +255,7 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
 def _unlink(home: nn.Module, roles: set[str] | None = None) -> None:
     """Drop the parametrizations and calls of ``home``'s transforms (of ``roles``, or all)."""
     kha = home._modules.get("kha")
-    if kha is None:
+    if not isinstance(kha, KHATransforms):
         return
     gone = [t for r, t in kha.items() if roles is None or r in roles]
     for mod in home.modules():
@@ -287,7 +288,7 @@ def fold(module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
     attribute access, which returns the parametrized value.
     """
     kha = module._modules.get("kha")
-    wanted = [kha[r] for r in roles if kha is not None and r in kha and kha[r].kind == "linear"]
+    wanted = [kha[r] for r in roles if isinstance(kha, KHATransforms) and r in kha and kha[r].kind == "linear"]
     out = []
     for path, mod in module.named_modules():
         pslots = mod.__dict__.get("_kha_pslots") if is_kha_functional(mod) else None

@@ -5,13 +5,14 @@ slots are in the weight's row space (``param_space``), and fold rewrites the in-
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from ...kinds import ROLES
-from ...modules import HeadSlot, KHAMultiheadAttention, attach_mha, detach_mha, transforms_of
+from ...modules import HeadSlot, KHAMultiheadAttention, attach_mha, detach_mha, set_strategy, transforms_of
 from ...transforms import kind_of
 from ..rows import fold_rows
 from .base import HANDLER_ATTR, PlanEntry, ProjectionHandler, owner_of
@@ -28,7 +29,7 @@ class MHAHandler(ProjectionHandler):
     name = "mha"
     param_space = True
 
-    def accepts(self, model: nn.Module, m: "RoleMatch") -> tuple[bool, str]:
+    def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         owner = owner_of(model, m)
         if not isinstance(owner, nn.MultiheadAttention):
             return False, ""
@@ -42,7 +43,7 @@ class MHAHandler(ProjectionHandler):
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
         attach_mha(module, entry.kinds)  # type: ignore[arg-type]  # accepts() checked the class
         setattr(module, HANDLER_ATTR, self.name)
-        setattr(module, "kha_strategy", entry.strategy)
+        set_strategy(module, entry.strategy)
 
     def detach(self, module: nn.Module) -> None:
         module.__dict__.pop(HANDLER_ATTR, None)
@@ -52,7 +53,7 @@ class MHAHandler(ProjectionHandler):
         """New in-projection tensors with the linear transforms of ``roles`` folded in."""
         return self._folded(module, roles, detach=True)
 
-    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> Optional[list[tuple[str, Tensor]]]:
+    def weight_side(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]] | None:
         """The in-projection tensors to run torch's own forward with (differentiable fold)."""
         return self._folded(module, roles, detach=False)
 
@@ -66,7 +67,7 @@ class MHAHandler(ProjectionHandler):
         if not todo:
             return []
         p = m._parameters  # the parameters themselves (attribute reads may give the folded view)
-        bias: Optional[Tensor] = p.get("in_proj_bias")
+        bias: Tensor | None = p.get("in_proj_bias")
         out: list[tuple[str, Tensor]] = []
         if m._qkv_same_embed_dim:  # packed [Wq; Wk; Wv] rows
             packed = p["in_proj_weight"]

@@ -23,7 +23,7 @@ import pkgutil
 
 from .base import Anchor, AttentionRule
 
-__all__ = ["Anchor", "AttentionRule", "register_rule", "attention_rules"]
+__all__ = ["Anchor", "AttentionRule", "attention_rules", "register_rule"]
 
 log = logging.getLogger(__name__)
 

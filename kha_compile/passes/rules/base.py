@@ -8,7 +8,7 @@ op is attention, and for each of q, k, v the node whose last axis is that role's
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.fx import Node
 
@@ -52,4 +52,4 @@ class AttentionRule(Protocol):
 
     name: str
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]: ...
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None: ...

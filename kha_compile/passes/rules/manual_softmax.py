@@ -5,7 +5,7 @@ dropout, casts and head masks between the softmax and the value matmul.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
@@ -17,7 +17,7 @@ from .sdpa import SDPA_OPS
 if TYPE_CHECKING:
     from ..match import MatchGraph
 
-__all__ = ["SOFTMAX_OPS", "SCORE_OPS", "ManualSoftmaxRule"]
+__all__ = ["SCORE_OPS", "SOFTMAX_OPS", "ManualSoftmaxRule"]
 
 aten = torch.ops.aten
 
@@ -30,7 +30,7 @@ class ManualSoftmaxRule:
 
     name = "manual_softmax"
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         if node.op != "call_function" or node.target not in SOFTMAX_OPS:
             return None
         score = _score_op(g, node)
@@ -44,12 +44,12 @@ class ManualSoftmaxRule:
         if value_op is None:
             return Anchor(node, self.name, {}, {}, f"softmax {node.name} has scores but no value matmul after it")
         v = value_op.args[1]
-        kt_shape = shape_of(kt) or (0, 0)  # type: ignore[arg-type]
-        dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}  # type: ignore[arg-type]
+        kt_shape = shape_of(kt) or (0, 0)
+        dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
         return Anchor(value_op, self.name, {"q": q, "k": kt, "v": v}, dims)  # type: ignore[dict-item]
 
 
-def _score_op(g: "MatchGraph", softmax: Node) -> Optional[Node]:
+def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
     """The q @ k^T op behind the softmax (through masks, biases, scaling, soft-capping, casts)."""
     frontier = [softmax.args[0]]
     for _ in range(10):
@@ -68,7 +68,7 @@ def _score_op(g: "MatchGraph", softmax: Node) -> Optional[Node]:
     return None
 
 
-def _value_op(softmax: Node) -> Optional[Node]:
+def _value_op(softmax: Node) -> Node | None:
     """The probs @ v op after the softmax (through dropout, casts, head masks)."""
     frontier = [softmax]
     for _ in range(6):

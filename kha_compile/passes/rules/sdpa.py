@@ -1,7 +1,7 @@
 """Rule ``sdpa``: ``aten.scaled_dot_product_attention`` and its fused variants (flash, efficient, cuDNN)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
@@ -30,7 +30,7 @@ class SDPARule:
 
     name = "sdpa"
 
-    def match(self, g: "MatchGraph", node: Node) -> Optional[Anchor]:
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         if node.op != "call_function" or node.target not in SDPA_OPS:
             return None
         q, k, v = node.args[:3]

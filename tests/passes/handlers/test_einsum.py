@@ -5,12 +5,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from projection_forms import LINEAR, MLP, check_form, two_blocks
-from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference
 
 import kha_compile as kc
 from kha_compile.passes.match import find_sites
 from kha_compile.passes.trace import capture
+from projection_forms import LINEAR, MLP, check_form, two_blocks
+from projection_reference import EinsumCase, gqa_heads, kha_transforms, reference
 
 
 @pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from projection_forms import LINEAR, MLP, check_form, two_blocks
-from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 import kha_compile as kc
 from kha_compile.parametrized import ParamSlot, fold_param
+from projection_forms import LINEAR, MLP, check_form, two_blocks
+from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
 
 
 @pytest.mark.parametrize("cfg", [LINEAR, MLP], ids=["linear", "mlp"])
@@ -65,7 +65,7 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
     kc.apply(model, MLP, example_args=(x,))
     attn = model.blocks[0].attn
     attn.__dict__["_kha_calls"][0].occurrence = 5  # as if the forward took another path than the traced one
-    with pytest.raises(kc.KHAError, match="did not run in this forward"):
+    with pytest.raises(kc.errors.TracedPathError, match="did not run in this forward"):
         model(x)
 
 

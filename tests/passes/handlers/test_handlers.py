@@ -7,14 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kha_compile as kc
+import zoo
+from helpers import kha_params, perturb, run
 from kha_compile.api import analyse
 from kha_compile.passes import handlers
 from kha_compile.passes.handlers import get_handler, handler_of, projection_handlers, register_handler, weight_out_axis
 from kha_compile.passes.handlers.linear import LinearHandler
 from kha_compile.passes.insert import kha_modules
-
-import zoo
-from helpers import kha_params, perturb, run
 
 
 class TransposedLinear(nn.Module):

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from form_checks import check_form
-from helpers import perturb
 from torch import nn
 
 import kha_compile as kc
+from form_checks import check_form
+from helpers import perturb
 
 D, H, T = 32, 4, 6
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from form_checks import check_form
 from torch import nn
 
 import kha_compile as kc
+from form_checks import check_form
 from kha_compile.errors import ExportError, NoAttentionFoundError, RegistrationError
 from kha_compile.passes.rules.external import (
     registered_attention_ops,

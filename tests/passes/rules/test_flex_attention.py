@@ -10,8 +10,6 @@ import math
 
 import pytest
 import torch
-from form_checks import check_form
-from helpers import kha_params, perturb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -22,6 +20,8 @@ from torch.nn.attention.flex_attention import (
 )
 
 import kha_compile as kc
+from form_checks import check_form
+from helpers import kha_params, perturb
 from kha_compile.errors import ExportError
 
 D, T = 32, 8

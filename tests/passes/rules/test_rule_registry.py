@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kha_compile as kc
+from helpers import perturb
 from kha_compile.errors import NoAttentionFoundError
 from kha_compile.passes import rules
 from kha_compile.passes.layout import shape_of
 from kha_compile.passes.rules import Anchor, attention_rules, register_rule
-
-from helpers import perturb
 
 
 @torch.library.custom_op("kha_test::attention", mutates_args=())
