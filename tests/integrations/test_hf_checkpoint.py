@@ -29,7 +29,7 @@ def test_config_records_kha_and_fold_drops_it():
     assert not hasattr(model.config, "kha_compile")
     kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
     assert model.config.kha_compile == {"version": model.config.kha_compile["version"], "q": "linear", "k": None,
-                                        "v": "linear"}
+                                        "v": "linear", "strategy": "auto"}
     assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
     kc.fold(model)
     assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
