@@ -22,8 +22,6 @@ from .errors import RegistryError
 
 __all__ = ["Named", "Registry"]
 
-log = logging.getLogger(__name__)
-
 
 class Named(Protocol):
     """Anything with a ``name``: a rule, a projection handler, a transform kind."""
@@ -47,6 +45,7 @@ class Registry(Generic[T]):
         self._skip = set(skip)
         self._items: list[T] = []
         self._loaded = False
+        self._log = logging.getLogger(package)  # the package's own logger
 
     def _load(self) -> None:
         if self._loaded:
@@ -64,7 +63,7 @@ class Registry(Generic[T]):
         self._load()
         for i, old in enumerate(self._items):
             if old.name == item.name:
-                log.info("%s %r replaced by %s", self.what, item.name, type(item).__name__)
+                self._log.info("%s %r replaced by %s", self.what, item.name, type(item).__name__)
                 del self._items[i]
                 break
         if first:
