@@ -29,14 +29,13 @@ module with a 2-D weight), ``weight_out_axis``, ``owner_of`` and the fold primit
 """
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from ...errors import RegistryError
+from ...registry import Registry
 from .base import HANDLER_ATTR, ModuleProjectionHandler, PlanEntry, ProjectionHandler, owner_of, weight_out_axis
 
 if TYPE_CHECKING:
@@ -57,27 +56,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_HANDLERS: list[ProjectionHandler] = []
-_LOADED = False
-_BUILTIN = ("mha", "conv1d", "linear")
 
 
-def _load() -> None:
-    """Register the built-in handlers, then import every other file of this package (once)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
+def _builtins() -> list[ProjectionHandler]:
     from .conv1d import Conv1DHandler
     from .linear import LinearHandler
     from .mha import MHAHandler
 
-    for h in (MHAHandler(), Conv1DHandler(), LinearHandler()):
-        if all(x.name != h.name for x in _HANDLERS):
-            _HANDLERS.append(h)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name not in ("base", *_BUILTIN):
-            importlib.import_module(f"{__name__}.{info.name}")
+    return [MHAHandler(), Conv1DHandler(), LinearHandler()]
+
+
+HANDLERS: Registry[ProjectionHandler] = Registry("projection handler", __name__, __path__, builtins=_builtins,
+                                                skip=("base", "mha", "conv1d", "linear"))
 
 
 def register_handler(handler: ProjectionHandler, *, first: bool = False) -> ProjectionHandler:
@@ -87,17 +77,7 @@ def register_handler(handler: ProjectionHandler, *, first: bool = False) -> Proj
 
         register_handler(ShardedLinearHandler(), first=True)
     """
-    _load()
-    for i, old in enumerate(_HANDLERS):
-        if old.name == handler.name:
-            log.info("projection handler %r replaced by %s", handler.name, type(handler).__name__)
-            del _HANDLERS[i]
-            break
-    if first:
-        _HANDLERS.insert(0, handler)
-    else:
-        _HANDLERS.append(handler)
-    return handler
+    return HANDLERS.register(handler, first=first)
 
 
 def projection_handlers() -> list[ProjectionHandler]:
@@ -105,19 +85,14 @@ def projection_handlers() -> list[ProjectionHandler]:
 
     Example::
 
-        [h.name for h in projection_handlers()]     # ["mha", "conv1d", "linear"]
+        [h.name for h in projection_handlers()]     # ["adapter", "functional", "mha", "conv1d", "linear"]
     """
-    _load()
-    return list(_HANDLERS)
+    return HANDLERS.items()
 
 
 def get_handler(name: str) -> ProjectionHandler:
     """The handler called ``name``; :class:`RegistryError` lists the registered ones."""
-    for h in projection_handlers():
-        if h.name == name:
-            return h
-    raise RegistryError(f"no projection handler named {name!r}; registered: "
-                        f"{', '.join(h.name for h in _HANDLERS)}.")
+    return HANDLERS.get(name)
 
 
 def choose_handler(model: nn.Module, m: RoleMatch) -> tuple[ProjectionHandler | None, str]:

@@ -17,36 +17,26 @@ The API::
 """
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
 
+from ...registry import Registry
 from .base import Anchor, AttentionRule
 
 __all__ = ["Anchor", "AttentionRule", "attention_rules", "register_rule"]
 
 log = logging.getLogger(__name__)
 
-_RULES: list[AttentionRule] = []
-_LOADED = False
-_BUILTIN = ("sdpa", "manual_softmax")
 
 
-def _load() -> None:
-    """Register the built-in rules, then import every other file of this package (once)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
+def _builtins() -> list[AttentionRule]:
     from .manual_softmax import ManualSoftmaxRule
     from .sdpa import SDPARule
 
-    for rule in (SDPARule(), ManualSoftmaxRule()):
-        if all(r.name != rule.name for r in _RULES):
-            _RULES.append(rule)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name not in ("base", *_BUILTIN):
-            importlib.import_module(f"{__name__}.{info.name}")
+    return [SDPARule(), ManualSoftmaxRule()]
+
+
+RULES: Registry[AttentionRule] = Registry("attention rule", __name__, __path__, builtins=_builtins,
+                                         skip=("base", "sdpa", "manual_softmax"))
 
 
 def register_rule(rule: AttentionRule, *, first: bool = False) -> None:
@@ -56,16 +46,7 @@ def register_rule(rule: AttentionRule, *, first: bool = False) -> None:
 
         register_rule(FlexAttentionRule())
     """
-    _load()
-    for i, old in enumerate(_RULES):
-        if old.name == rule.name:
-            log.info("attention rule %r replaced by %s", rule.name, type(rule).__name__)
-            del _RULES[i]
-            break
-    if first:
-        _RULES.insert(0, rule)
-    else:
-        _RULES.append(rule)
+    RULES.register(rule, first=first)
 
 
 def attention_rules() -> list[AttentionRule]:
@@ -75,5 +56,4 @@ def attention_rules() -> list[AttentionRule]:
 
         [r.name for r in attention_rules()]     # ["sdpa", "manual_softmax", ...]
     """
-    _load()
-    return list(_RULES)
+    return RULES.items()

@@ -106,7 +106,7 @@ def counting():
     h = CountingHandler()
     register_handler(h, first=True)
     yield h
-    handlers._HANDLERS[:] = saved
+    handlers.HANDLERS.restore(saved)
 
 
 def test_a_handler_registered_first_wins_and_fold_and_remove_go_through_it(counting):

@@ -63,7 +63,7 @@ class DeclineSDPA:
 def restore_rules():
     saved = attention_rules()
     yield
-    rules._RULES[:] = saved
+    rules.RULES.restore(saved)
 
 
 def test_builtin_rules_come_first_in_order():
