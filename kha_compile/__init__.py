@@ -6,6 +6,7 @@ Example::
     kc.apply(model, kc.KHAConfig(v="mlp"))
     print(kc.inspect(model))
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """The public verbs: apply, inspect, remove (save/load live in :mod:`.checkpoint`)."""
+
 from __future__ import annotations
 
 import logging
@@ -23,6 +24,7 @@ __all__ = ["analyse", "apply", "inspect", "remove"]
 
 log = logging.getLogger(__name__)
 
+
 def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
     """Run one analysis step; an unexpected exception becomes an AnalysisError naming the step."""
     try:
@@ -33,7 +35,8 @@ def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
         raise AnalysisError(
             f"kha_compile failed in the {step} step on {type(model).__name__}: {type(exc).__name__}: {exc}. "
             "The model is unchanged. Set KHA_MATCH_DEBUG=<node name> for the matcher's decisions, and "
-            "report this with the model's code.") from exc
+            "report this with the model's code."
+        ) from exc
 
 
 def analyse(model: nn.Module, cfg: KHAConfig | None, example_args, example_kwargs):
@@ -49,24 +52,33 @@ def analyse(model: nn.Module, cfg: KHAConfig | None, example_args, example_kwarg
 
 
 def _nothing_found(model: nn.Module, report: Report) -> str:
-    what = (f"kha_compile found no per-head attention to transform in {type(model).__name__}. It looked for "
-            "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention "
-            "and ops registered with kc.register_attention_op in the "
-            "torch.export graph and walked q, k, v back to their projections.")
+    what = (
+        f"kha_compile found no per-head attention to transform in {type(model).__name__}. It looked for "
+        "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention "
+        "and ops registered with kc.register_attention_op in the "
+        "torch.export graph and walked q, k, v back to their projections."
+    )
     unknown = [s for s in report.skipped if s.anchor == "unregistered"]
     known = [s for s in report.skipped if s.anchor != "unregistered"]
     if known:
         what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known)
     if unknown:
-        what += ("\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "
-                 "registered:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in unknown))
+        what += (
+            "\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "
+            "registered:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in unknown)
+        )
     if not report.skipped:
         what += " The graph contains no attention op; check that the example inputs run the attention path."
     return what
 
 
-def apply(model: nn.Module, cfg: KHAConfig | None = None, example_args: Any = (),
-          example_kwargs: dict | None = None, strict: bool = True) -> nn.Module:
+def apply(
+    model: nn.Module,
+    cfg: KHAConfig | None = None,
+    example_args: Any = (),
+    example_kwargs: dict | None = None,
+    strict: bool = True,
+) -> nn.Module:
     """Insert KHA transforms after the q/k/v projections of every attention in ``model``, in place.
 
     The transforms start at identity, so the model's outputs do not change until training moves
@@ -89,7 +101,8 @@ def apply(model: nn.Module, cfg: KHAConfig | None = None, example_args: Any = ()
         raise AlreadyAppliedError(
             f"{type(model).__name__} already carries KHA transforms ({len(existing)} modules, e.g. "
             f"{existing[0][0]!r}); apply() runs once per model. Use kc.fold(model) or kc.remove(model) first, "
-            "or start from a fresh model.")
+            "or start from a fresh model."
+        )
     report, plan = analyse(model, cfg, example_args, example_kwargs)
     if not report.matched:
         message = _nothing_found(model, report)
@@ -103,8 +116,14 @@ def apply(model: nn.Module, cfg: KHAConfig | None = None, example_args: Any = ()
     _record_config(model)
     for s in report.skipped:
         log.warning("KHA skipped %s: %s", s.name, s.reason)
-    log.info("KHA inserted %d transforms into %d modules at %d attention sites (%d skipped) in %.2fs",
-             count, len(plan), len(report.matched), len(report.skipped), report.trace_seconds)
+    log.info(
+        "KHA inserted %d transforms into %d modules at %d attention sites (%d skipped) in %.2fs",
+        count,
+        len(plan),
+        len(report.matched),
+        len(report.skipped),
+        report.trace_seconds,
+    )
     return model
 
 

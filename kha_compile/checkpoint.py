@@ -1,4 +1,5 @@
 """KHA checkpoints: save the KHA weights and config, read and validate them, load them into a model."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,13 @@ def config_of(model: nn.Module) -> dict[str, Any]:
             if roles.get(role) != "mlp":
                 roles[role] = str(t.kind)
     strategy = strategies.pop() if len(strategies) == 1 else "auto"  # set per module: not one config value
-    return {"version": CONFIG_VERSION, "q": roles.get("q"), "k": roles.get("k"), "v": roles.get("v"),
-            "strategy": strategy}
+    return {
+        "version": CONFIG_VERSION,
+        "q": roles.get("q"),
+        "k": roles.get("k"),
+        "v": roles.get("v"),
+        "strategy": strategy,
+    }
 
 
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,7 +76,9 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
 
     state = kha_state(model)
     if not state:
-        raise NoKHATransformsError(f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first.")
+        raise NoKHATransformsError(
+            f"{type(model).__name__} carries no KHA transforms to save; call kc.apply(model) first."
+        )
     tensors, write, sharded = gather_for_save(state)  # FSDP2/TP: a collective; only rank 0 writes
     directory = pathlib.Path(directory)
     if not write:
@@ -102,8 +110,10 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
         return read_hf(directory)
     for p in (cfg_path, weights_path):
         if not p.is_file():
-            raise CheckpointError(f"{str(p)!r} does not exist; a KHA checkpoint directory holds "
-                                  f"{CONFIG_NAME} and {WEIGHTS_NAME} written by kc.save_pretrained.")
+            raise CheckpointError(
+                f"{str(p)!r} does not exist; a KHA checkpoint directory holds "
+                f"{CONFIG_NAME} and {WEIGHTS_NAME} written by kc.save_pretrained."
+            )
     try:
         data = json.loads(cfg_path.read_text())
         cfg = KHAConfig.from_dict(data)
@@ -117,13 +127,16 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
     if isinstance(expected, dict):
         got = {k: list(v.shape) for k, v in tensors.items()}
         if got != expected:
-            raise CheckpointError(f"{str(weights_path)!r} does not hold the tensors {str(cfg_path)!r} lists; "
-                                  "the checkpoint is incomplete or its files come from different saves.")
+            raise CheckpointError(
+                f"{str(weights_path)!r} does not hold the tensors {str(cfg_path)!r} lists; "
+                "the checkpoint is incomplete or its files come from different saves."
+            )
     return cfg, tensors
 
 
 def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:
     """What does not fit between the KHA tensors a model expects and a checkpoint's ('' if all fit)."""
+
     def some(names: list[str]) -> str:
         return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
@@ -136,12 +149,15 @@ def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:
     if unexpected:
         parts.append(f"not in this model: {some(unexpected)}")
     if wrong:
-        parts.append("shape mismatch: " + ", ".join(f"{k} {tuple(got[k])} vs model {tuple(expected[k])}" for k in wrong[:5]))
+        parts.append(
+            "shape mismatch: " + ", ".join(f"{k} {tuple(got[k])} vs model {tuple(expected[k])}" for k in wrong[:5])
+        )
     return "; ".join(parts)
 
 
-def load_pretrained(model: nn.Module, directory, example_args: Any = (), example_kwargs: dict | None = None
-                    ) -> nn.Module:
+def load_pretrained(
+    model: nn.Module, directory, example_args: Any = (), example_kwargs: dict | None = None
+) -> nn.Module:
     """Re-apply KHA to a fresh ``model`` as saved in ``directory`` and load its weights.
 
     Validates names and shapes; on any mismatch the model is left exactly as it was.
@@ -155,11 +171,14 @@ def load_pretrained(model: nn.Module, directory, example_args: Any = (), example
     apply(model, cfg, example_args, example_kwargs)
     try:
         state = kha_state(model)
-        misfit = checkpoint_misfit({k: tuple(v.shape) for k, v in state.items()},
-                                   {k: tuple(v.shape) for k, v in tensors.items()})
+        misfit = checkpoint_misfit(
+            {k: tuple(v.shape) for k, v in state.items()}, {k: tuple(v.shape) for k, v in tensors.items()}
+        )
         if misfit:
-            raise CheckpointError(f"the KHA checkpoint in {str(directory)!r} does not fit {type(model).__name__}: "
-                                  f"{misfit}. The model was left unchanged.")
+            raise CheckpointError(
+                f"the KHA checkpoint in {str(directory)!r} does not fit {type(model).__name__}: "
+                f"{misfit}. The model was left unchanged."
+            )
         with torch.no_grad():
             params = {canonical_name(n): p for n, p in model.named_parameters()}
             for k, v in tensors.items():

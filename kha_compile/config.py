@@ -1,4 +1,5 @@
 """KHAConfig: which knocking-heads transforms to insert, per role."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,7 @@ class KHAConfig:
             value = getattr(self, role)
             if value not in allowed:
                 shown = ", ".join(repr(a) for a in allowed)
-                raise KHAConfigError(
-                    f"KHAConfig.{role}={value!r} is not allowed; use one of {shown}."
-                )
+                raise KHAConfigError(f"KHAConfig.{role}={value!r} is not allowed; use one of {shown}.")
         if self.q is None and self.k is None and self.v is None:
             raise KHAConfigError(
                 "KHAConfig(q=None, k=None, v=None) inserts nothing; set at least one of "

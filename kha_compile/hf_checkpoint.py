@@ -7,6 +7,7 @@ KHA tensors in ``model.safetensors`` (or its shards). ``kc.load_pretrained(model
 re-applies KHA and loads those tensors. ``AutoModel.from_pretrained(d)`` alone builds the model
 without KHA and lists the ``.kha.`` tensors among its unexpected keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,12 +89,14 @@ def read_hf(directory: pathlib.Path) -> tuple[KHAConfig, dict[str, torch.Tensor]
         raise CheckpointError(
             f"{str(directory)!r} is a transformers checkpoint without a {CONFIG_KEY!r} entry in config.json, so it "
             "records no KHA; it was saved from a model without KHA (or after kc.fold). Load it with "
-            "from_pretrained alone, or pass a directory written by kc.save_pretrained.")
+            "from_pretrained alone, or pass a directory written by kc.save_pretrained."
+        )
     try:
         cfg = KHAConfig.from_dict(entry)
     except (KHAError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"the {CONFIG_KEY!r} entry of {str(directory / 'config.json')!r} is not a valid "
-                              f"KHA config: {exc}") from exc
+        raise CheckpointError(
+            f"the {CONFIG_KEY!r} entry of {str(directory / 'config.json')!r} is not a valid KHA config: {exc}"
+        ) from exc
     if (directory / _INDEX).is_file():
         weight_map = json.loads((directory / _INDEX).read_text()).get("weight_map", {})
         files: dict[str, list[str]] = {}
@@ -109,10 +112,13 @@ def read_hf(directory: pathlib.Path) -> tuple[KHAConfig, dict[str, torch.Tensor]
                 for key in keys or [k for k in f.keys() if ".kha." in f".{k}"]:  # noqa: SIM118 (safe_open is not a dict)
                     tensors[canonical_name(key)] = f.get_tensor(key)
         except Exception as exc:  # safetensors raises its own error types for truncated files
-            raise CheckpointError(f"{str(directory / fname)!r} cannot be read (truncated or not safetensors): "
-                                  f"{exc}") from exc
+            raise CheckpointError(
+                f"{str(directory / fname)!r} cannot be read (truncated or not safetensors): {exc}"
+            ) from exc
     if not tensors:
-        raise CheckpointError(f"{str(directory)!r} records KHA in config.json but its weight files hold no "
-                              "'.kha.' tensors; the checkpoint is incomplete.")
+        raise CheckpointError(
+            f"{str(directory)!r} records KHA in config.json but its weight files hold no "
+            "'.kha.' tensors; the checkpoint is incomplete."
+        )
     log.info("read %d KHA tensors from the transformers checkpoint %s", len(tensors), directory)
     return cfg, tensors

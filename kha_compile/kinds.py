@@ -3,6 +3,7 @@
 Registries (transform kinds, attention rules, projection handlers) accept more names at run time
 than the built-in ones listed here; type checkers see those as plain ``str``.
 """
+
 from __future__ import annotations
 
 from typing import Literal

@@ -11,7 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["mixin_class"]
+from torch import nn
+
+__all__ = ["mixin_class", "module_class_named"]
 
 _CLASSES: dict[tuple[type, type], type] = {}
 
@@ -32,3 +34,26 @@ def mixin_class(mixin: type, base_cls: type, name: str, module: str, **attrs: An
         if owner is not None:
             vars(owner).setdefault(name, cls)
     return cls
+
+
+def module_class_named(name: str, mixin: type) -> type | None:
+    """The ``nn.Module`` subclass called ``name`` that is not already a ``mixin`` class, or None.
+
+    What a module-level ``__getattr__`` needs to recreate ``<Prefix><Base>`` when unpickling in a
+    new process: find ``Base`` among the loaded module classes.
+
+    Example::
+
+        base = module_class_named("Linear", KHAProjection)     # torch.nn.Linear
+    """
+    stack: list[type] = list(nn.Module.__subclasses__())
+    seen: set[type] = set()
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if cls.__name__ == name and not issubclass(cls, mixin):
+            return cls
+        stack.extend(cls.__subclasses__())
+    return None

@@ -6,6 +6,7 @@ into a KHA projection by switching its class to a subclass defined here (``KHALi
 holds one transform per role. :func:`detach` switches the class back, so the original module
 object, class and keys return (that is how :func:`kha_compile.fold` restores a vanilla model).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from .errors import UnsupportedLayoutError, UnsupportedModelError
 from .kinds import Role
+from .mixins import mixin_class, module_class_named
 from .strategy import cached_fold, check_strategy, needs_grad, swapped_params, use_weight_side
 from .transforms import get_transform, kind_of
 from .transforms.linear import KHALinearTransform
@@ -31,6 +33,7 @@ __all__ = [
     "KHAMultiheadAttention",
     "KHAProjection",
     "KHATransforms",
+    "apply_segments",
     "attach",
     "attach_mha",
     "carries_kha",
@@ -38,7 +41,9 @@ __all__ = [
     "detach_mha",
     "is_kha_projection",
     "kha_class_for",
+    "layout_plan",
     "make_transform",
+    "segment_pieces",
     "set_strategy",
     "transforms_of",
 ]
@@ -48,8 +53,9 @@ class KHATransforms(nn.ModuleDict):
     """The ``kha`` child of a KHA projection: one shared transform per role ("q", "k", "v")."""
 
 
-def make_transform(kind: str, head_dim: int, *, dtype: torch.dtype | None = None,
-                   device: torch.device | None = None) -> nn.Module:
+def make_transform(
+    kind: str, head_dim: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> nn.Module:
     """Build the transform of registered ``kind`` ("linear" | "mlp" | ...) at identity, in the given dtype and device."""
     return get_transform(kind).create(head_dim, dtype=dtype, device=device)
 
@@ -81,7 +87,7 @@ class HeadSlot:
         return dataclasses.asdict(self)
 
 
-def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
+def layout_plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
     """Choose how to cut the heads out of the projection output: 'blocks' or 'interleaved'."""
     if all(s.head_stride == s.head_dim for s in slots):
         spans = sorted((s.offset, s.offset + s.num_heads * s.head_dim) for s in slots)
@@ -100,7 +106,7 @@ def _plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
     )
 
 
-def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, tuple[int, nn.Module] | None]]) -> Tensor:
+def apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, tuple[int, nn.Module] | None]]) -> Tensor:
     """Rebuild the last axis of ``y`` (…, width) from pieces (start, length, (head_dim, transform) | None)."""
     out = []
     for start, length, tf in pieces:
@@ -113,8 +119,9 @@ def _apply_segments(y: Tensor, width: int, pieces: list[tuple[int, int, tuple[in
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
-def _pieces(bounds: Sequence[tuple[int, int, tuple[int, nn.Module] | None]], width: int
-            ) -> list[tuple[int, int, tuple[int, nn.Module] | None]]:
+def segment_pieces(
+    bounds: Sequence[tuple[int, int, tuple[int, nn.Module] | None]], width: int
+) -> list[tuple[int, int, tuple[int, nn.Module] | None]]:
     """Fill the gaps between transformed segments with untouched ones, in order."""
     pieces: list[tuple[int, int, tuple[int, nn.Module] | None]] = []
     pos = 0
@@ -185,7 +192,7 @@ class KHAProjection(nn.Module):
         cached = cache.get(roles)
         if cached is None:
             slots = tuple(s for s in self._kha_slots if s.role in roles)
-            plan = _plan(slots, self._kha_out_features) if slots else ("none", 0)
+            plan = layout_plan(slots, self._kha_out_features) if slots else ("none", 0)
             cached = cache[roles] = (slots, *plan)
         return cached
 
@@ -197,34 +204,27 @@ class KHAProjection(nn.Module):
         width = y.shape[-1]
         if mode == "blocks":  # heads of a role are contiguous: (…, H*Dh) -> (…, H, Dh)
             bounds = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, self.kha[s.role])) for s in slots]
-            return _apply_segments(y, width, _pieces(bounds, width))
+            return apply_segments(y, width, segment_pieces(bounds, width))
         # interleaved: (…, H*S) -> (…, H, S); each role is a Dh-wide column block of S
         lead = y.shape[:-1]
         heads = width // stride
         y3 = y.reshape(*lead, heads, stride)  # (…, H, S)
         bounds = [(s.offset, s.head_dim, (s.head_dim, self.kha[s.role])) for s in slots]
-        return _apply_segments(y3, stride, _pieces(bounds, stride)).reshape(*lead, width)
+        return apply_segments(y3, stride, segment_pieces(bounds, stride)).reshape(*lead, width)
 
     def kha_extra(self) -> str:
-        return ", ".join(f"{s.role}:{type(self.kha[s.role]).__name__}[{s.num_heads}x{s.head_dim}]"
-                         for s in self._kha_slots if s.role in self.kha)
-
-
-_CLASS_CACHE: dict[type, type] = {}
+        return ", ".join(
+            f"{s.role}:{type(self.kha[s.role]).__name__}[{s.num_heads}x{s.head_dim}]"
+            for s in self._kha_slots
+            if s.role in self.kha
+        )
 
 
 def kha_class_for(base_cls: type) -> type:
     """The KHA subclass of a projection class (created once, named ``KHA<Base>``)."""
     if issubclass(base_cls, KHAProjection):
         return base_cls
-    cls = _CLASS_CACHE.get(base_cls)
-    if cls is None:
-        name = f"KHA{base_cls.__name__}"
-        cls = type(name, (KHAProjection, base_cls), {"__module__": __name__, "__qualname__": name,
-                                                     "_kha_base_class": base_cls})
-        _CLASS_CACHE[base_cls] = cls
-        globals().setdefault(name, cls)
-    return cls
+    return mixin_class(KHAProjection, base_cls, f"KHA{base_cls.__name__}", __name__, _kha_base_class=base_cls)
 
 
 def is_kha_projection(module: nn.Module) -> bool:
@@ -251,7 +251,7 @@ def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str]
     for s in slots:
         if s.role in kinds and s.role not in transforms:
             transforms[s.role] = make_transform(kinds[s.role], s.head_dim, dtype=dtype, device=device)
-    _plan(tuple(s for s in slots if s.role in transforms), out_features)  # refuse odd layouts up front
+    layout_plan(tuple(s for s in slots if s.role in transforms), out_features)  # refuse odd layouts up front
     module.__class__ = kha_class_for(type(module))
     module.kha = transforms
     module.__dict__["_kha_slots"] = tuple(slots)  # plain attributes (not parameters or modules)
@@ -264,8 +264,15 @@ def detach(module: nn.Module) -> nn.Module:
     if not isinstance(module, KHAProjection):
         return module
     del module.kha
-    for attr in ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "_kha_handler", "kha_strategy",
-                 "_kha_fold_cache", "_kha_weight_axis"):
+    for attr in (
+        "_kha_slots",
+        "_kha_out_features",
+        "_kha_cached_layout",
+        "_kha_handler",
+        "kha_strategy",
+        "_kha_fold_cache",
+        "_kha_weight_axis",
+    ):
         module.__dict__.pop(attr, None)
     module.__class__ = type(module)._kha_base_class  # type: ignore[attr-defined]
     return module
@@ -321,30 +328,71 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
 
     def __getattr__(self, name: str):
         """The effective in-projection for ``nn.TransformerEncoderLayer``'s fast path; the parameter otherwise."""
-        if name in _MHA_WEIGHTS and "_kha_swapped" not in self.__dict__ and not torch.compiler.is_compiling() \
-                and sys._getframe(1).f_globals.get("__name__") == _FAST_PATH_READER:
+        if (
+            name in _MHA_WEIGHTS
+            and "_kha_swapped" not in self.__dict__
+            and not torch.compiler.is_compiling()
+            and sys._getframe(1).f_globals.get("__name__") == _FAST_PATH_READER
+        ):
             eff = _effective_in_proj(self, name)
             if eff is not None:
                 return eff
         return super().__getattr__(name)
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         roles = self._kha_roles()
         tokens = query.numel() // max(query.shape[-1], 1)
         if roles and use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, self.embed_dim):
             with swapped_params(self, self._kha_folded(roles)):
                 if len(roles) == len(self.kha):  # all folded: torch's own forward, fast path included
                     return nn.MultiheadAttention.forward(
-                        self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                        attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
-                return self._kha_forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                         average_attn_weights, is_causal, skip=roles)
-        return self._kha_forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                 average_attn_weights, is_causal)
+                        self,
+                        query,
+                        key,
+                        value,
+                        key_padding_mask=key_padding_mask,
+                        need_weights=need_weights,
+                        attn_mask=attn_mask,
+                        average_attn_weights=average_attn_weights,
+                        is_causal=is_causal,
+                    )
+                return self._kha_forward(
+                    query,
+                    key,
+                    value,
+                    key_padding_mask,
+                    need_weights,
+                    attn_mask,
+                    average_attn_weights,
+                    is_causal,
+                    skip=roles,
+                )
+        return self._kha_forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
 
-    def _kha_forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                     average_attn_weights=True, is_causal=False, skip: tuple[str, ...] = ()):
+    def _kha_forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+        skip: tuple[str, ...] = (),
+    ):
         """``F.multi_head_attention_forward`` step by step, transforms (but ``skip``) after the in-projection."""
         F = nn.functional
         is_batched = query.dim() == 3
@@ -358,37 +406,57 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
         tgt_len, bsz, embed_dim = query.shape  # (L, B, E)
         src_len = key.shape[0]
         H, Dh = self.num_heads, self.head_dim
-        key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
-                                             other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
-                                             target_type=query.dtype)
+        key_padding_mask = F._canonical_mask(
+            mask=key_padding_mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(attn_mask),
+            other_name="attn_mask",
+            target_type=query.dtype,
+        )
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
         if is_causal and key_padding_mask is None and not need_weights:
             attn_mask = None
         else:
-            attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                                          target_type=query.dtype, check_other=False)
+            attn_mask = F._canonical_mask(
+                mask=attn_mask,
+                mask_name="attn_mask",
+                other_type=None,
+                other_name="",
+                target_type=query.dtype,
+                check_other=False,
+            )
             if key_padding_mask is not None:
                 is_causal = False
         if self._qkv_same_embed_dim:
             q, k, v = F._in_projection_packed(  # type: ignore[attr-defined]
-                query, key, value, self.in_proj_weight, self.in_proj_bias)
+                query, key, value, self.in_proj_weight, self.in_proj_bias
+            )
         else:
             b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
-            q, k, v = F._in_projection(query, key, value,  # type: ignore[attr-defined]
-                                        self.q_proj_weight, self.k_proj_weight,
-                                       self.v_proj_weight, *b)
+            q, k, v = F._in_projection(
+                query,
+                key,
+                value,  # type: ignore[attr-defined]
+                self.q_proj_weight,
+                self.k_proj_weight,
+                self.v_proj_weight,
+                *b,
+            )
         # KHA: shared transforms over each head vector, right after the in-projection
-        q, k, v = (self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha and r not in skip else x
-                   for r, x in zip("qkv", (q, k, v)))  # (L, B, H, Dh) -> (L, B, E)
+        q, k, v = (
+            self.kha[r](x.unflatten(-1, (H, Dh))).flatten(-2) if r in self.kha and r not in skip else x
+            for r, x in zip("qkv", (q, k, v))
+        )  # (L, B, H, Dh) -> (L, B, E)
         if attn_mask is not None and attn_mask.dim() == 2:
             attn_mask = attn_mask.unsqueeze(0)
         q = q.view(tgt_len, bsz * H, Dh).transpose(0, 1)  # (B*H, L, Dh)
         k = k.view(k.shape[0], bsz * H, Dh).transpose(0, 1)
         v = v.view(v.shape[0], bsz * H, Dh).transpose(0, 1)
         if key_padding_mask is not None:
-            key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, H, -1, -1)
-                                .reshape(bsz * H, 1, src_len))
+            key_padding_mask = (
+                key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, H, -1, -1).reshape(bsz * H, 1, src_len)
+            )
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
@@ -494,10 +562,13 @@ def set_strategy(module: nn.Module, strategy: str) -> None:
 def attach_mha(module: nn.MultiheadAttention, kinds: dict[str, str]) -> nn.MultiheadAttention:
     """Give an ``nn.MultiheadAttention`` its KHA transforms in place."""
     if module.bias_k is not None or module.add_zero_attn:
-        raise UnsupportedModelError("nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile.")
+        raise UnsupportedModelError(
+            "nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported by kha_compile."
+        )
     ref = module.out_proj.weight
-    transforms = KHATransforms({r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device)
-                                for r, k in kinds.items()})
+    transforms = KHATransforms(
+        {r: make_transform(k, module.head_dim, dtype=ref.dtype, device=ref.device) for r, k in kinds.items()}
+    )
     module.__class__ = KHAMultiheadAttention
     module.kha = transforms
     _sync_fast_path_hook(module)
@@ -516,18 +587,9 @@ def detach_mha(module: nn.Module) -> nn.Module:
     return module
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     """Recreate ``KHA<Base>`` classes on demand, so a pickled model with KHA loads in a new process."""
-    if name.startswith("KHA") and len(name) > 3:
-        base_name = name[3:]
-        stack = list(nn.Module.__subclasses__())
-        seen = set()
-        while stack:
-            cls = stack.pop()
-            if cls in seen:
-                continue
-            seen.add(cls)
-            if cls.__name__ == base_name and not issubclass(cls, KHAProjection):
-                return kha_class_for(cls)
-            stack.extend(cls.__subclasses__())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    base = module_class_named(name[3:], KHAProjection) if name.startswith("KHA") and len(name) > 3 else None
+    if base is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return kha_class_for(base)

@@ -22,6 +22,7 @@ Example::
     slot = ParamSlot("v", (0,), torch.arange(32, 48).view(2, 8))
     w_folded = fold_param(lin.weight, [(slot, t.weight)])
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .errors import InternalError, TracedPathError
-from .mixins import mixin_class
+from .mixins import mixin_class, module_class_named
 
 __all__ = [
     "KHAFunctional",
@@ -74,7 +75,7 @@ def fold_param(value: Tensor, slots: list[tuple[ParamSlot, Tensor]]) -> Tensor:
     dest = tuple(range(nd - len(axes), nd))
     moved = value.movedim(axes, dest)  # (..., *out axes)
     lead = moved.shape[: nd - len(axes)]
-    m = moved.reshape(-1, int(torch.Size(moved.shape[nd - len(axes):]).numel()))  # (contracted, out)
+    m = moved.reshape(-1, int(torch.Size(moved.shape[nd - len(axes) :]).numel()))  # (contracted, out)
     for slot, t in slots:
         if slot.axes != axes:
             raise InternalError(f"slots over different axes {slot.axes} and {axes} of one parameter; this is a bug.")
@@ -82,7 +83,7 @@ def fold_param(value: Tensor, slots: list[tuple[ParamSlot, Tensor]]) -> Tensor:
         cols = m.index_select(1, idx.reshape(-1)).reshape(m.shape[0], *idx.shape)  # (C, H, Dh)
         new = cols @ t.to(m.dtype)
         m = m.index_copy(1, idx.reshape(-1), new.reshape(m.shape[0], -1))
-    out = m.reshape(*lead, *moved.shape[nd - len(axes):]).movedim(dest, axes)
+    out = m.reshape(*lead, *moved.shape[nd - len(axes) :]).movedim(dest, axes)
     # the parameter's own memory layout: ops then take the same kernels as with the original, bit for bit
     return out.contiguous() if value.is_contiguous() else out
 
@@ -106,9 +107,36 @@ class ProjectionCall:
 
 
 _PROJ_NAMES = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "addmm", "einsum", "tensordot", "bmm"}
-_LAYOUT_NAMES = {"t", "T", "mT", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze", "contiguous",
-                 "to", "type_as", "chunk", "split", "unbind", "__getitem__", "narrow", "flatten", "unflatten",
-                 "movedim", "expand", "float", "half", "bfloat16", "__get__", "view_as", "reshape_as", "clone"}
+_LAYOUT_NAMES = {
+    "t",
+    "T",
+    "mT",
+    "transpose",
+    "permute",
+    "view",
+    "reshape",
+    "unsqueeze",
+    "squeeze",
+    "contiguous",
+    "to",
+    "type_as",
+    "chunk",
+    "split",
+    "unbind",
+    "__getitem__",
+    "narrow",
+    "flatten",
+    "unflatten",
+    "movedim",
+    "expand",
+    "float",
+    "half",
+    "bfloat16",
+    "__get__",
+    "view_as",
+    "reshape_as",
+    "clone",
+}
 _ADD_NAMES = {"add", "__add__", "__radd__", "__iadd__", "add_"}
 
 
@@ -136,8 +164,10 @@ def _flat(args: Any) -> list[Any]:
 def _apply_call(y: Tensor, call: ProjectionCall) -> Tensor:
     """Apply each role's transform to its head positions of a projection output ``y``."""
     if y.dim() != call.ndim:
-        raise TracedPathError(f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
-                       "traced; re-run kc.apply with example inputs that take this code path.")
+        raise TracedPathError(
+            f"the projection on {call.weight_attr} returned {y.dim()} dims at run time, {call.ndim} when "
+            "traced; re-run kc.apply with example inputs that take this code path."
+        )
     nd = y.dim()
     perm = [a for a in range(nd) if a not in call.feature_axes] + list(call.feature_axes)
     moved = y.permute(perm) if perm != list(range(nd)) else y  # feature axes last (permute: a layout op)
@@ -262,9 +292,11 @@ class KHAFunctional(nn.Module):
             with mode:
                 out = super().forward(*args, **kwargs)
             if mode.done != len(calls):
-                raise TracedPathError(f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
-                               "did not run in this forward (a code path other than the traced one); re-apply KHA "
-                               "with example inputs that take this path.")
+                raise TracedPathError(
+                    f"{type(self).__name__}: {len(calls) - mode.done} of {len(calls)} KHA projection calls "
+                    "did not run in this forward (a code path other than the traced one); re-apply KHA "
+                    "with example inputs that take this path."
+                )
             return out
         finally:
             for m in owners.values():
@@ -275,8 +307,7 @@ def functional_class_for(base_cls: type) -> type:
     """The ``KHAFunctional<Base>`` subclass of a module class (created once)."""
     if issubclass(base_cls, KHAFunctional):
         return base_cls
-    return mixin_class(KHAFunctional, base_cls, f"KHAFunctional{base_cls.__name__}", __name__,
-                       _kha_base_class=base_cls)
+    return mixin_class(KHAFunctional, base_cls, f"KHAFunctional{base_cls.__name__}", __name__, _kha_base_class=base_cls)
 
 
 def is_kha_functional(module: Any) -> bool:
@@ -298,16 +329,11 @@ def restore_class(module: nn.Module) -> None:
 def __getattr__(name: str) -> Any:
     """Recreate ``KHAFunctional<Base>`` classes on demand (unpickling in a new process)."""
     prefix = "KHAFunctional"
-    if name.startswith(prefix) and len(name) > len(prefix):
-        base_name = name[len(prefix):]
-        stack, seen = list(nn.Module.__subclasses__()), set()
-        while stack:
-            cls = stack.pop()
-            if cls in seen:
-                continue
-            seen.add(cls)
-            if cls.__name__ == base_name and not issubclass(cls, KHAFunctional):
-                return functional_class_for(cls)
-            stack.extend(cls.__subclasses__())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+    base = (
+        module_class_named(name[len(prefix) :], KHAFunctional)
+        if name.startswith(prefix) and len(name) > len(prefix)
+        else None
+    )
+    if base is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return functional_class_for(base)

@@ -10,6 +10,7 @@ Example::
     RULES.register(MyRule(), first=True)
     [r.name for r in RULES.items()]
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,15 @@ T = TypeVar("T", bound=Named)
 class Registry(Generic[T]):
     """Ordered named items of one kind, loaded lazily (built-ins, then the package's other modules)."""
 
-    def __init__(self, what: str, package: str, path: Iterable[str], *, builtins: Callable[[], Sequence[T]],
-                 skip: Sequence[str] = ("base",)) -> None:
+    def __init__(
+        self,
+        what: str,
+        package: str,
+        path: Iterable[str],
+        *,
+        builtins: Callable[[], Sequence[T]],
+        skip: Sequence[str] = ("base",),
+    ) -> None:
         self.what = what
         self._package = package
         self._path = list(path)

@@ -1,4 +1,5 @@
 """What the pass found: one :class:`AttentionSite` per attention, in a printable :class:`Report`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,8 +69,20 @@ class Report:
             if s.matched:
                 tf = ",".join(f"{r}:{k}" for r, k in sorted(s.transforms.items())) or "-"
                 projs = "/".join(sorted({p.rpartition(".")[2] for p in (s.q_proj, s.k_proj, s.v_proj) if p}))
-                rows.append([s.name, s.kind or "", str(s.num_heads), str(s.num_kv_heads), str(s.head_dim),
-                             "yes" if s.rope else "-", "yes" if s.qk_norm else "-", projs, tf, s.note])
+                rows.append(
+                    [
+                        s.name,
+                        s.kind or "",
+                        str(s.num_heads),
+                        str(s.num_kv_heads),
+                        str(s.head_dim),
+                        "yes" if s.rope else "-",
+                        "yes" if s.qk_norm else "-",
+                        projs,
+                        tf,
+                        s.note,
+                    ]
+                )
             else:
                 rows.append([s.name, "skipped", "", "", "", "", "", "", "", s.reason])
         return rows

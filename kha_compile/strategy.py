@@ -25,6 +25,7 @@ Example::
     kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear", strategy="weight"))
     model.model.layers[0].self_attn.q_proj.kha_strategy = "token"
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -10,6 +10,7 @@ Example::
     model = tiny.make("tiny-llama")           # LlamaForCausalLM, GQA 4 q / 2 kv heads
     sorted(tiny.TINY_MODELS)                  # ['tiny-bert', 'tiny-gpt2', 'tiny-llama', 'tiny-qwen3']
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,8 +28,14 @@ HIDDEN, LAYERS, HEADS, INTER, VOCAB, MAX_POS = 64, 2, 4, 128, 128, 64
 HEAD_DIM = HIDDEN // HEADS  # 16
 
 # the config fields every tiny decoder shares (transformers names)
-DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
-                num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=MAX_POS)
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=INTER,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    max_position_embeddings=MAX_POS,
+)
 
 
 def _hf(model_cls: str, config_cls: str, **config: Any) -> nn.Module:
@@ -49,14 +56,31 @@ def _qwen3() -> nn.Module:  # GQA with per-head q/k RMSNorm before rope
 
 
 def _gpt2() -> nn.Module:  # fused c_attn (Conv1D, weight stored (in, out)) split [Q|K|V]
-    return _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS,
-               n_head=HEADS, n_inner=INTER, n_positions=MAX_POS,
-               bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    return _hf(
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=INTER,
+        n_positions=MAX_POS,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
 
 
 def _bert() -> nn.Module:  # encoder, separate query/key/value, no rope
-    return _hf("BertModel", "BertConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-               num_attention_heads=HEADS, intermediate_size=INTER, max_position_embeddings=MAX_POS)
+    return _hf(
+        "BertModel",
+        "BertConfig",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        max_position_embeddings=MAX_POS,
+    )
 
 
 TINY_MODELS: dict[str, Callable[[], nn.Module]] = {

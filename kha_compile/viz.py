@@ -6,6 +6,7 @@ Example::
     plot_kha(model, "kha.png", with_delta=True)
     rows = diagonal_summary(model)       # diagonal vs off-diagonal mass per layer and role
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,7 +79,7 @@ def short_labels(paths: list[str]) -> list[str]:
     while all(len(p) > pre + post + 1 and p[-1 - post] == parts[0][-1 - post] for p in parts):
         post += 1
     kept_prefix = parts[0][pre - 1] + " " if pre else ""
-    return [kept_prefix + ".".join(p[pre:len(p) - post]) for p in parts]
+    return [kept_prefix + ".".join(p[pre : len(p) - post]) for p in parts]
 
 
 def _figure(figsize: tuple[float, float]) -> Any:
@@ -102,13 +103,20 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> pathlib.Path:
 def _sites_or_raise(model: nn.Module) -> list[tuple[str, dict[str, torch.Tensor]]]:
     sites = kha_matrices(model)
     if not sites:
-        raise NoKHATransformsError(f"{type(model).__name__} carries no KHA transforms to plot; apply KHA or "
-                                   "load a KHA checkpoint first (kha-compile viz MODEL --kha DIR).")
+        raise NoKHATransformsError(
+            f"{type(model).__name__} carries no KHA transforms to plot; apply KHA or "
+            "load a KHA checkpoint first (kha-compile viz MODEL --kha DIR)."
+        )
     return sites
 
 
-def plot_kha(model: nn.Module, path: str | os.PathLike[str], delta: bool = False,
-             title: str | None = None, with_delta: bool = False) -> pathlib.Path:
+def plot_kha(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    delta: bool = False,
+    title: str | None = None,
+    with_delta: bool = False,
+) -> pathlib.Path:
     """Heatmaps of the KHA matrices of ``model``: one row per attention site, one column per matrix.
 
     Like the paper's Figure 3: each panel shows the learned matrix itself (T, or W^up, W^gate,
@@ -160,8 +168,9 @@ def plot_kha(model: nn.Module, path: str | os.PathLike[str], delta: bool = False
                 ax.set_ylabel(label, fontsize=10)
             cb = fig.colorbar(im, ax=ax, shrink=0.85, pad=0.02)
             cb.ax.tick_params(labelsize=7)
-    fig.suptitle(title or f"{type(model).__name__}: KHA matrices per attention site "
-                          "(colour range fitted per panel)", fontsize=12)
+    fig.suptitle(
+        title or f"{type(model).__name__}: KHA matrices per attention site (colour range fitted per panel)", fontsize=12
+    )
     return _save(fig, path)
 
 
@@ -241,8 +250,7 @@ def diagonal_summary(model: nn.Module) -> list[DiagonalRow]:
     return rows
 
 
-def plot_diagonal(rows: Sequence[DiagonalRow], path: str | os.PathLike[str],
-                  title: str | None = None) -> pathlib.Path:
+def plot_diagonal(rows: Sequence[DiagonalRow], path: str | os.PathLike[str], title: str | None = None) -> pathlib.Path:
     """Two panels per role over layers: diagonal mass (1 = diagonal, as at init) and ||M - I||_F / sqrt(d).
 
     Example::
@@ -295,8 +303,9 @@ def load_loss_curves(directory: str | os.PathLike[str]) -> list[dict[str, Any]] 
     return None
 
 
-def plot_loss_curves(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
-                     title: str | None = None) -> pathlib.Path:
+def plot_loss_curves(
+    runs: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], title: str | None = None
+) -> pathlib.Path:
     """Training (running mean over a tenth of the steps) and validation loss of each run, side by side.
 
     ``runs`` as in ``loss_curves.json``: ``[{"name": ..., "order_seed": ..., "train": [[step, loss], ...],
@@ -317,10 +326,16 @@ def plot_loss_curves(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike[
         steps = [s for s, _ in run["train"]]
         loss = [v for _, v in run["train"]]
         w = max(1, len(loss) // 10)
-        mean = [sum(loss[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(loss))]
+        mean = [sum(loss[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(loss))]
         ax_t.plot(steps, mean, color=color, ls=style, label=label)
-        ax_v.plot([s for s, _ in run["val"]], [v for _, v in run["val"]], color=color, ls=style, marker="o",
-                  label=f"{label}: {run['val'][-1][1]:.4f}")
+        ax_v.plot(
+            [s for s, _ in run["val"]],
+            [v for _, v in run["val"]],
+            color=color,
+            ls=style,
+            marker="o",
+            label=f"{label}: {run['val'][-1][1]:.4f}",
+        )
     ax_t.set_title(f"training loss per step (running mean of {w} steps)" if runs else "training loss", fontsize=10)
     ax_v.set_title("validation loss", fontsize=10)
     for ax in (ax_t, ax_v):

@@ -1,4 +1,5 @@
 """Shared test set-up: the zoo helper module is importable from every test folder."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Example::
 
     check_form(lambda: TwoBlocks(MyAttention), (x,), v="linear")
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,8 +16,15 @@ import kha_compile as kc
 from helpers import kha_params, perturb
 
 
-def check_form(make: Callable[[], nn.Module], args: tuple, v: str, sites: int = 2, anchor: str = "",
-               kwargs: dict | None = None, grad: bool = True) -> nn.Module:
+def check_form(
+    make: Callable[[], nn.Module],
+    args: tuple,
+    v: str,
+    sites: int = 2,
+    anchor: str = "",
+    kwargs: dict | None = None,
+    grad: bool = True,
+) -> nn.Module:
     """apply -> every site matched, exact identity at init, perturbation moves, exact fold (linear).
 
     ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks).

@@ -1,4 +1,5 @@
 """Small helpers shared by the test files."""
+
 from __future__ import annotations
 
 import torch

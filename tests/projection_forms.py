@@ -10,6 +10,7 @@ Example::
     model, x = two_blocks("beit")
     check_form("beit", kc.KHAConfig(v="mlp"), tmp_path)
 """
+
 from __future__ import annotations
 
 import math
@@ -168,9 +169,16 @@ class DenseGeneralAttention(nn.Module):
         return self.proj(_sdpa(q, k, v).transpose(1, 2).reshape(B, S, E))
 
 
-FORMS = {"beit": BeitAttention, "matmul": MatmulAttention, "separate": SeparateFunctional,
-         "einsum_dhk": EinsumDHK, "einsum_hdk": EinsumHDK, "einsum_fused": EinsumFused,
-         "tensordot": Tensordot, "dense_general": DenseGeneralAttention}
+FORMS = {
+    "beit": BeitAttention,
+    "matmul": MatmulAttention,
+    "separate": SeparateFunctional,
+    "einsum_dhk": EinsumDHK,
+    "einsum_hdk": EinsumHDK,
+    "einsum_fused": EinsumFused,
+    "tensordot": Tensordot,
+    "dense_general": DenseGeneralAttention,
+}
 
 
 class Block(nn.Module):

@@ -9,6 +9,7 @@ Example::
     model = FunctionalCase(d=8, n_head=2, n_kv=1, head_dim=4, fused=True, bias=True, op="linear")
     expected = reference(model, x, transforms)
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """apply / inspect / save / load on the zoo of tiny models: matched, identity at init, wired, trainable."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -128,8 +129,14 @@ def test_repeated_blocks_are_traced_once(monkeypatch):
 
     from kha_compile.passes import trace
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     model = LlamaForCausalLM(cfg).eval()
     seen = []
     real = trace._export
@@ -153,6 +160,7 @@ def test_meta_device_model_gets_meta_transforms_without_materialising():
 
 
 # --- save / load ----------------------------------------------------------------------------
+
 
 def _trained(name="llama", cfg=kc.KHAConfig(q="linear", v="mlp")):
     case = zoo.make(name)
@@ -185,8 +193,15 @@ def test_load_of_a_checkpoint_that_does_not_fit_leaves_the_model_unchanged(tmp_p
     kc.save_pretrained(case.model, tmp_path / "ckpt")
     other = zoo.make("qwen3")  # same shapes, different module names? no: same paths, different head count
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, vocab_size=128)  # head dim 32, not 16
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )  # head dim 32, not 16
     model = LlamaForCausalLM(cfg).eval()
     state, classes = _snapshot(model)
     with pytest.raises(CheckpointError, match=r"does not fit.*shape mismatch"):
@@ -217,6 +232,7 @@ def test_load_of_a_missing_checkpoint_names_the_file(tmp_path):
 
 
 # --- bad input --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("field,value", [("v", "gate"), ("q", "mlp"), ("k", 1)])
 def test_invalid_config_lists_the_allowed_values(field, value):
@@ -297,8 +313,10 @@ def test_generate_after_training_agrees_with_and_without_the_kv_cache():
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize("name,rope,qk_norm", [("bert", False, False), ("phi", True, False),
-                                                ("gpt_neox", True, False), ("qwen3", True, True)])
+@pytest.mark.parametrize(
+    "name,rope,qk_norm",
+    [("bert", False, False), ("phi", True, False), ("gpt_neox", True, False), ("qwen3", True, True)],
+)
 def test_report_flags_rope_and_qk_norm(name, rope, qk_norm):
     case = zoo.make(name)
     sites = kc.inspect(case.model, *case.example).matched
@@ -334,7 +352,8 @@ def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
         f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
         "with torch.no_grad(): out = d['model'](input_ids=d['ids']).logits\n"
         "torch.testing.assert_close(out, d['expected'])\n"
-        "print('OK', type(d['model'].transformer.h[0].attn.c_attn).__name__)\n")
+        "print('OK', type(d['model'].transformer.h[0].attn.c_attn).__name__)\n"
+    )
     run_python(script, "OK KHAConv1D")
 
 

@@ -1,4 +1,5 @@
 """save_pretrained / read_checkpoint / load_pretrained: every way a checkpoint can misfit changes nothing."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,15 @@ def _llama(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -80,8 +88,9 @@ def test_a_config_of_another_version_is_refused(ckpt, tmp_path):
 
 def test_misfit_lists_missing_unexpected_and_wrong_shapes():
     text = checkpoint_misfit({"a": (2, 2), "b": (2, 2)}, {"b": (3, 3), "c": (2, 2)})
-    assert text == ("missing from the checkpoint: ['a']; not in this model: ['c']; "
-                    "shape mismatch: b (3, 3) vs model (2, 2)")
+    assert text == (
+        "missing from the checkpoint: ['a']; not in this model: ['c']; shape mismatch: b (3, 3) vs model (2, 2)"
+    )
     assert checkpoint_misfit({"a": (2, 2)}, {"a": (2, 2)}) == ""
 
 

@@ -1,4 +1,5 @@
 """Architectures the issue does not name: the pass is built for the family of attention code."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,23 +10,42 @@ from kha_compile.passes.inputs import example_inputs
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=128,
-            max_position_embeddings=64)
-SEQ2SEQ = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-               encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64, vocab_size=128, max_position_embeddings=64)
+BASE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+SEQ2SEQ = dict(
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    d_model=64,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
 
 # name: (config class, model class, config, expected kinds)
 CASES = {
-    "bloom": ("BloomConfig", "BloomForCausalLM", BASE, {"mha": 2}),            # ALiBi, fused [H, 3, Dh]
+    "bloom": ("BloomConfig", "BloomForCausalLM", BASE, {"mha": 2}),  # ALiBi, fused [H, 3, Dh]
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(BASE, rotary_dim=8), {"mha": 2}),  # interleaved partial rope
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(BASE, multi_query=True), {"mqa": 2}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", BASE, {"mha": 2}),           # QK-norm over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", BASE, {"mha": 2}),  # QK-norm over the whole projection
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(BASE, head_dim=16, num_key_value_heads=2), {"gqa": 2}),
     "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(BASE, rotary_dim=8, n_ctx=64), {"mha": 2}),
     "albert": ("AlbertConfig", "AlbertModel", dict(BASE, embedding_size=32), {"mha": 2}),  # one layer, run twice
     "bart": ("BartConfig", "BartModel", SEQ2SEQ, {"mha": 4, "cross": 2}),
-    "swin": ("SwinConfig", "SwinModel", dict(embed_dim=16, depths=[1, 1], num_heads=[2, 4], image_size=32,
-                                              patch_size=4, window_size=4), {"mha": 2}),
+    "swin": (
+        "SwinConfig",
+        "SwinModel",
+        dict(embed_dim=16, depths=[1, 1], num_heads=[2, 4], image_size=32, patch_size=4, window_size=4),
+        {"mha": 2},
+    ),
 }
 
 

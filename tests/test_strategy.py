@@ -4,6 +4,7 @@ Each model of the zoo runs with its KHA weights moved off the identity, once wit
 module on ``kha_strategy = "weight"`` and once on ``"token"``; outputs and every gradient must
 agree. A spy on ``swapped_params`` proves which path ran.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,6 +44,7 @@ def swaps(monkeypatch):
     def spy(module, params):
         calls.append(type(module).__name__)
         return real(module, params)
+
     monkeypatch.setattr(kmod, "swapped_params", spy)
     return calls
 
@@ -56,17 +58,27 @@ def _run_and_grads(case: zoo.ZooCase, model: nn.Module) -> tuple[torch.Tensor, d
 
 # (zoo name, config): separate (llama), fused Conv1D [Q|K|V] (gpt2), fused Linear (phi, falcon, nanogpt),
 # interleaved (gpt_neox), MLA (deepseek_v3), nn.MultiheadAttention (torch_encoder)
-CASES = [("llama", LINEAR), ("gpt2", LINEAR), ("phi", LINEAR), ("falcon", LINEAR), ("nanogpt", LINEAR),
-         ("gpt_neox", LINEAR), ("deepseek_v3", LINEAR), ("torch_encoder", LINEAR),
-         ("gpt2", kc.KHAConfig(q="linear", k="linear", v="mlp")),          # mixed on one fused Conv1D
-         ("torch_encoder", kc.KHAConfig(q="linear", v="mlp"))]
+CASES = [
+    ("llama", LINEAR),
+    ("gpt2", LINEAR),
+    ("phi", LINEAR),
+    ("falcon", LINEAR),
+    ("nanogpt", LINEAR),
+    ("gpt_neox", LINEAR),
+    ("deepseek_v3", LINEAR),
+    ("torch_encoder", LINEAR),
+    ("gpt2", kc.KHAConfig(q="linear", k="linear", v="mlp")),  # mixed on one fused Conv1D
+    ("torch_encoder", kc.KHAConfig(q="linear", v="mlp")),
+]
 
 
 def _as_fp32(case: zoo.ZooCase) -> zoo.ZooCase:
     def f(x):
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    return dataclasses.replace(case, args=tuple(f(a) for a in case.args), kwargs={k: f(v) for k, v in case.kwargs.items()})
+    return dataclasses.replace(
+        case, args=tuple(f(a) for a in case.args), kwargs={k: f(v) for k, v in case.kwargs.items()}
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,8 +130,12 @@ def test_auto_picks_weight_side_above_in_features_only(swaps):
 
 def _linear_model(strategy: str = "weight") -> tuple[nn.Module, torch.Tensor]:
     case = zoo.make("llama")
-    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="linear", strategy=strategy),
-             example_args=case.args, example_kwargs=case.kwargs)
+    kc.apply(
+        case.model,
+        kc.KHAConfig(q="linear", k="linear", v="linear", strategy=strategy),
+        example_args=case.args,
+        example_kwargs=case.kwargs,
+    )
     perturb(case.model)
     return case.model, case.kwargs["input_ids"]
 
@@ -137,8 +153,9 @@ def test_no_grad_cache_reused_then_invalidated_by_optimizer_step(swaps, monkeypa
 
     folds = []
     real = ModuleProjectionHandler.weight_side
-    monkeypatch.setattr(ModuleProjectionHandler, "weight_side",
-                        lambda self, m, roles: folds.append(m) or real(self, m, roles))
+    monkeypatch.setattr(
+        ModuleProjectionHandler, "weight_side", lambda self, m, roles: folds.append(m) or real(self, m, roles)
+    )
     n = len(_kha_modules(model))
     with torch.no_grad():
         first = model(input_ids=ids).logits
@@ -237,8 +254,9 @@ def test_trained_transformer_encoder_fast_path_uses_the_folded_weight():
 
 def test_outside_the_fast_path_reads_give_the_parameter():
     torch.manual_seed(0)
-    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1,
-                                  enable_nested_tensor=False).eval()
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1, enable_nested_tensor=False
+    ).eval()
     x = torch.randn(2, 8, 64)
     kc.apply(model, LINEAR, example_args=(x,))
     perturb(model)
@@ -252,14 +270,16 @@ def test_outside_the_fast_path_reads_give_the_parameter():
 
 
 def test_mlp_value_and_token_strategy_keep_the_fast_path_off():
-    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1,
-                                  enable_nested_tensor=False).eval()
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1, enable_nested_tensor=False
+    ).eval()
     x = torch.randn(2, 8, 64)
     kc.apply(model, kc.KHAConfig(q="linear", v="mlp"), example_args=(x,))
     attn = model.layers[0].self_attn
     assert attn._forward_hooks  # MLP-value cannot fold: the encoder layer must call the attention
-    lin = copy.deepcopy(nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1,
-                                              enable_nested_tensor=False))
+    lin = copy.deepcopy(
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1, enable_nested_tensor=False)
+    )
     kc.apply(lin, LINEAR, example_args=(x,))
     a2 = lin.layers[0].self_attn
     assert not a2._forward_hooks
@@ -298,8 +318,15 @@ def test_llama_training_step_flops_at_8192_tokens_linear_auto():
     """Issue 9's shape on the meta device: linear KHA on q, k, v with strategy auto costs <= 1.005x."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=128, vocab_size=8192)
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=8192,
+    )
     B, L = 4, 2048
 
     def step(model) -> int:

@@ -1,6 +1,7 @@
 """Models from libraries other than transformers, built from small configs (no downloads):
 x-transformers (einsum attention, GQA, encoder and decoder) and fair-esm's ESM-2 (separate q/k/v
 linears, rotary, bmm + softmax, key padding mask)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,9 @@ def _ids():
 def _x_transformers(kind):
     xt = pytest.importorskip("x_transformers")
     layers = {
-        "decoder_gqa_rope": lambda: xt.Decoder(dim=64, depth=2, heads=4, attn_kv_heads=2, attn_dim_head=16,
-                                               rotary_pos_emb=True),
+        "decoder_gqa_rope": lambda: xt.Decoder(
+            dim=64, depth=2, heads=4, attn_kv_heads=2, attn_dim_head=16, rotary_pos_emb=True
+        ),
         "encoder": lambda: xt.Encoder(dim=64, depth=2, heads=4, attn_dim_head=16),
     }[kind]
     return lambda: xt.TransformerWrapper(num_tokens=V, max_seq_len=64, attn_layers=layers())
@@ -44,7 +46,7 @@ def _esm_ids(padded: bool) -> torch.Tensor:
     """Amino-acid token ids (4..23 in the ESM-1b alphabet); ``padded`` pads the second sequence."""
     ids = torch.randint(4, 24, (2, T), generator=torch.Generator().manual_seed(0))
     if padded:
-        ids[1, T - 3:] = 1  # <pad>
+        ids[1, T - 3 :] = 1  # <pad>
     return ids
 
 

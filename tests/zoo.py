@@ -10,6 +10,7 @@ Example::
     out = case.model(*case.args, **case.kwargs)
     assert case.num_sites == 2 and case.kinds == {"gqa": 2}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,11 @@ class ZooCase:
     model: nn.Module
     args: tuple
     kwargs: dict[str, Any]
-    kinds: dict[str, int]        # expected sites per kind, e.g. {"mha": 4, "cross": 2} for t5
-    num_heads: int               # query heads per site
-    num_kv_heads: int            # key/value heads per site (1 for MQA)
-    causal_lm: bool              # has generate() (a transformers causal LM or seq2seq LM)
-    hf: bool                     # a transformers PreTrainedModel
+    kinds: dict[str, int]  # expected sites per kind, e.g. {"mha": 4, "cross": 2} for t5
+    num_heads: int  # query heads per site
+    num_kv_heads: int  # key/value heads per site (1 for MQA)
+    causal_lm: bool  # has generate() (a transformers causal LM or seq2seq LM)
+    hf: bool  # a transformers PreTrainedModel
 
     @property
     def num_sites(self) -> int:
@@ -64,6 +65,7 @@ class ZooCase:
 # transformers models (random weights from tiny configs)
 # --------------------------------------------------------------------------------------------
 
+
 def _hf(model_cls: str, config_cls: str, attn: str = "sdpa", **config: Any) -> nn.Module:
     import transformers
 
@@ -71,8 +73,14 @@ def _hf(model_cls: str, config_cls: str, attn: str = "sdpa", **config: Any) -> n
     return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn)
 
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
-                num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=MAX_POS)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=INTER,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    max_position_embeddings=MAX_POS,
+)
 
 
 def _llama() -> nn.Module:
@@ -80,19 +88,28 @@ def _llama() -> nn.Module:
 
 
 def _qwen3() -> nn.Module:  # q_norm / k_norm (per-head RMSNorm) before rope
-    return _hf("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, num_key_value_heads=2,
-               head_dim=HEAD_DIM)
+    return _hf("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, num_key_value_heads=2, head_dim=HEAD_DIM)
 
 
 def _mistral() -> nn.Module:  # MQA: one key/value head
-    return _hf("MistralForCausalLM", "MistralConfig", **_DECODER, num_key_value_heads=1,
-               head_dim=HEAD_DIM, sliding_window=None)
+    return _hf(
+        "MistralForCausalLM", "MistralConfig", **_DECODER, num_key_value_heads=1, head_dim=HEAD_DIM, sliding_window=None
+    )
 
 
 def _gpt2() -> nn.Module:  # fused c_attn (Conv1D, weight stored (in, out)), [Q|K|V] split
-    return _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS,
-               n_head=HEADS, n_inner=INTER, n_positions=MAX_POS,
-               bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    return _hf(
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=INTER,
+        n_positions=MAX_POS,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
 
 
 def _gpt_neox() -> nn.Module:  # fused query_key_value, interleaved per head [H, 3, Dh]; rope on half
@@ -100,58 +117,117 @@ def _gpt_neox() -> nn.Module:  # fused query_key_value, interleaved per head [H,
 
 
 def _bert() -> nn.Module:
-    return _hf("BertModel", "BertConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
-               num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=INTER,
-               max_position_embeddings=MAX_POS)
+    return _hf(
+        "BertModel",
+        "BertConfig",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        max_position_embeddings=MAX_POS,
+    )
 
 
 def _t5() -> nn.Module:  # encoder-decoder: self attention in both, cross attention in the decoder
-    return _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=HIDDEN,
-               d_kv=HEAD_DIM, d_ff=INTER, num_layers=LAYERS, num_decoder_layers=LAYERS,
-               num_heads=HEADS, relative_attention_num_buckets=8, dropout_rate=0.0,
-               decoder_start_token_id=0)
+    return _hf(
+        "T5ForConditionalGeneration",
+        "T5Config",
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=HEAD_DIM,
+        d_ff=INTER,
+        num_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_heads=HEADS,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
 
 
 def _gemma2() -> nn.Module:  # eager attention: matmul, tanh soft-capping, softmax, matmul
-    return _hf("Gemma2ForCausalLM", "Gemma2Config", attn="eager", **_DECODER,
-               num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
-               sliding_window=16)
+    return _hf(
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        attn="eager",
+        **_DECODER,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=16,
+    )
 
 
 def _phi() -> nn.Module:  # partial rotary (half of each head)
-    return _hf("PhiForCausalLM", "PhiConfig", **_DECODER,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.5})
+    return _hf(
+        "PhiForCausalLM",
+        "PhiConfig",
+        **_DECODER,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
 
 
 def _falcon() -> nn.Module:  # MQA with a fused query_key_value of (H + 2) * Dh outputs
-    return _hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
-               num_hidden_layers=LAYERS, num_attention_heads=HEADS, ffn_hidden_size=INTER,
-               multi_query=True, new_decoder_architecture=False, alibi=False,
-               max_position_embeddings=MAX_POS)
+    return _hf(
+        "FalconForCausalLM",
+        "FalconConfig",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=INTER,
+        multi_query=True,
+        new_decoder_architecture=False,
+        alibi=False,
+        max_position_embeddings=MAX_POS,
+    )
 
 
 def _deepseek_v3() -> nn.Module:  # MLA (low-rank q and kv, split nope/rope); layer 1 is MoE
-    return _hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **_DECODER, num_key_value_heads=HEADS,
-               moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
-               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-               v_head_dim=16)
+    return _hf(
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        **_DECODER,
+        num_key_value_heads=HEADS,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
 
 
 def _vit() -> nn.Module:
-    return _hf("ViTModel", "ViTConfig", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-               num_attention_heads=HEADS, intermediate_size=INTER, image_size=32, patch_size=8,
-               num_channels=3)
+    return _hf(
+        "ViTModel",
+        "ViTConfig",
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # plain torch models
 # --------------------------------------------------------------------------------------------
 
+
 def _torch_encoder() -> nn.Module:  # nn.MultiheadAttention: fused in_proj_weight, no Linear for q/k/v
-    layer = nn.TransformerEncoderLayer(d_model=HIDDEN, nhead=HEADS, dim_feedforward=INTER,
-                                       dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(
+        d_model=HIDDEN, nhead=HEADS, dim_feedforward=INTER, dropout=0.0, batch_first=True
+    )
     return nn.TransformerEncoder(layer, num_layers=LAYERS, enable_nested_tensor=False)
 
 
@@ -170,8 +246,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)                  # (B, T, C)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
 
 
@@ -191,8 +267,14 @@ class Block(nn.Module):
 class NanoGPT(nn.Module):
     """A nanoGPT-style causal LM: token + position embeddings, blocks, tied LM head."""
 
-    def __init__(self, vocab: int = VOCAB, block_size: int = MAX_POS, n_embd: int = HIDDEN,
-                 n_head: int = HEADS, n_layer: int = LAYERS):
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        block_size: int = MAX_POS,
+        n_embd: int = HIDDEN,
+        n_head: int = HEADS,
+        n_layer: int = LAYERS,
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -216,6 +298,7 @@ class NanoGPT(nn.Module):
 # --------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -285,6 +368,14 @@ def make(name: str, dtype: torch.dtype = torch.float32, device: str | torch.devi
         args, kwargs = example_inputs(model, batch_size=BATCH, seq_len=SEQ)
     if spec.decoder_len is not None:  # cross attention then has Tq != Tk, as in real use
         kwargs["decoder_input_ids"] = kwargs["decoder_input_ids"][:, : spec.decoder_len]
-    return ZooCase(name=name, model=model, args=args, kwargs=kwargs, kinds=dict(spec.kinds),
-                   num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                   causal_lm=spec.causal_lm, hf=spec.hf)
+    return ZooCase(
+        name=name,
+        model=model,
+        args=args,
+        kwargs=kwargs,
+        kinds=dict(spec.kinds),
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        causal_lm=spec.causal_lm,
+        hf=spec.hf,
+    )

@@ -62,6 +62,7 @@ Example::
     compiled = torch.compile(vanilla, backend=kc.backend(from_pretrained="kha_ckpt"))   # deploy
     kc.backend.last_stats().rewrites      # {'deploy': 2, 'fuse_mlp_value': 0, 'fold_linear': 0}
 """
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ Errors raised while compiling pass through Dynamo unwrapped: Dynamo wraps what a
 in ``BackendCompilerFailed`` except its own ``ShortenTraceback`` family, so a ``KHAError`` is
 re-raised as a subclass of both, and ``except kc.KHAError`` catches it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,10 @@ def _compiled_root() -> nn.Module | None:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover
         return None
-    codes = {getattr(fn, "__code__", None) for fn in (OptimizedModule.__call__, nn.Module._call_impl,
-                                                      getattr(nn.Module, "_wrapped_call_impl", None))}
+    codes = {
+        getattr(fn, "__code__", None)
+        for fn in (OptimizedModule.__call__, nn.Module._call_impl, getattr(nn.Module, "_wrapped_call_impl", None))
+    }
     f = sys._getframe(1)
     while f is not None:
         if f.f_code in codes:
@@ -70,8 +73,11 @@ def _surface(exc: KHAError) -> KHAError:
     cls = _SURFACED.get(base)
     if cls is None:
         try:
-            cls = type(base.__name__, (base, ShortenTraceback), {"__module__": base.__module__,
-                                                                 "__qualname__": base.__qualname__})
+            cls = type(
+                base.__name__,
+                (base, ShortenTraceback),
+                {"__module__": base.__module__, "__qualname__": base.__qualname__},
+            )
         except TypeError:  # pragma: no cover - incompatible layouts
             return exc
         _SURFACED[base] = cls
@@ -110,24 +116,37 @@ class KHABackend:
         be.stats.rewrites
     """
 
-    def __init__(self, from_pretrained: str | os.PathLike[str] | None = None, *,
-                 model: nn.Module | None = None, example_args: Any = (),
-                 example_kwargs: dict[str, Any] | None = None, fold: bool = True, fuse_mlp: bool = True,
-                 compiler: _Compiler = "inductor"):
+    def __init__(
+        self,
+        from_pretrained: str | os.PathLike[str] | None = None,
+        *,
+        model: nn.Module | None = None,
+        example_args: Any = (),
+        example_kwargs: dict[str, Any] | None = None,
+        fold: bool = True,
+        fuse_mlp: bool = True,
+        compiler: _Compiler = "inductor",
+    ):
         if not (callable(compiler) or compiler in COMPILERS):
-            raise BackendOptionError(f"compiler={compiler!r} is not allowed; use one of "
-                                     f"{', '.join(map(repr, COMPILERS))} or a torch.compile backend callable.")
+            raise BackendOptionError(
+                f"compiler={compiler!r} is not allowed; use one of "
+                f"{', '.join(map(repr, COMPILERS))} or a torch.compile backend callable."
+            )
         for name, flag in (("fold", fold), ("fuse_mlp", fuse_mlp)):
             if not isinstance(flag, bool):
                 raise BackendOptionError(f"{name} must be True or False, got {flag!r}.")
         if model is not None and from_pretrained is None:
-            raise BackendOptionError("model= is only used with from_pretrained= (deploy mode): "
-                                     "kc.backend(from_pretrained=ckpt_dir, model=model).")
+            raise BackendOptionError(
+                "model= is only used with from_pretrained= (deploy mode): "
+                "kc.backend(from_pretrained=ckpt_dir, model=model)."
+            )
         self.__name__ = NAME  # Dynamo names the backend in its messages by __name__
         self.options: BackendOptions = {"fold": fold, "fuse_mlp": fuse_mlp}
         self.compiler = compiler
         self.stats = BackendStats()
-        self._deploy = DeployPlan(from_pretrained, example_args, example_kwargs) if from_pretrained is not None else None
+        self._deploy = (
+            DeployPlan(from_pretrained, example_args, example_kwargs) if from_pretrained is not None else None
+        )
         self._model = weakref.ref(model) if model is not None else None
         self._quiet: set[int | None] = set()
         if model is not None and self._deploy is not None:
@@ -140,8 +159,10 @@ class KHABackend:
 
     def __repr__(self) -> str:
         mode = f"from_pretrained={self._deploy.directory!r}, " if self._deploy else ""
-        return (f"KHABackend({mode}fold={self.options['fold']}, fuse_mlp={self.options['fuse_mlp']}, "
-                f"compiler={self.compiler!r})")
+        return (
+            f"KHABackend({mode}fold={self.options['fold']}, fuse_mlp={self.options['fuse_mlp']}, "
+            f"compiler={self.compiler!r})"
+        )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         global _LAST
@@ -156,8 +177,10 @@ class KHABackend:
         if self._deploy is not None:
             model = (self._model() if self._model is not None else None) or root
             if model is None:
-                raise DeployError("deploy: cannot tell which model is being compiled (torch.compile of a "
-                                  "function?); pass it: kc.backend(from_pretrained=..., model=model).")
+                raise DeployError(
+                    "deploy: cannot tell which model is being compiled (torch.compile of a "
+                    "function?); pass it: kc.backend(from_pretrained=..., model=model)."
+                )
             entries = self._deploy.entries(model)
         setup = RuleSetup(self.options, entries)
         return [rule for cls in RULES if (rule := cls.create(setup)) is not None]
@@ -177,22 +200,33 @@ class KHABackend:
             key = id(root) if root is not None else None
             if key not in self._quiet:
                 self._quiet.add(key)
-                log.info("kha backend: no KHA transforms in %s; compiling it unchanged with %s",
-                         type(root).__name__ if root is not None else "this graph", self._compiler_name())
+                log.info(
+                    "kha backend: no KHA transforms in %s; compiling it unchanged with %s",
+                    type(root).__name__ if root is not None else "this graph",
+                    self._compiler_name(),
+                )
             return self._inner(original, list(example_inputs))
         gm.graph.lint()
         gm.recompile()
-        log.info("kha backend: graph %d: %d kha::mlp_value op(s) (%d fused from the decomposed form), "
-                 "%d linear transform(s) folded, %d inserted from a checkpoint, %d declined",
-                 stats.index, stats.mlp_value_ops, stats.count("fuse_mlp_value"),
-                 stats.count("fold_linear"), stats.count("deploy"), len(stats.declined))
+        log.info(
+            "kha backend: graph %d: %d kha::mlp_value op(s) (%d fused from the decomposed form), "
+            "%d linear transform(s) folded, %d inserted from a checkpoint, %d declined",
+            stats.index,
+            stats.mlp_value_ops,
+            stats.count("fuse_mlp_value"),
+            stats.count("fold_linear"),
+            stats.count("deploy"),
+            len(stats.declined),
+        )
         compiled = self._inner(gm, ctx.example_inputs)
         if ctx.recipes:
             return Runner(compiled, ctx.recipes, gm)
         return compiled
 
     def _compiler_name(self) -> str:
-        return self.compiler if isinstance(self.compiler, str) else getattr(self.compiler, "__name__", "a custom backend")
+        return (
+            self.compiler if isinstance(self.compiler, str) else getattr(self.compiler, "__name__", "a custom backend")
+        )
 
     def _inner(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.compiler == "inductor":

@@ -7,6 +7,7 @@ takes the module handed to ``torch.compile`` and validates on the first compile.
 ``nn.MultiheadAttention`` (projections used functionally) is not supported in deploy mode: use
 ``kc.load_pretrained`` and ``"kha"``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ __all__ = ["DeployEntry", "DeployPlan", "RoleTransform"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class RoleTransform:
     """One role's transform from the checkpoint: its kind and tensors (``[T]`` or ``[up, gate, down]``)."""
@@ -42,15 +44,16 @@ class DeployEntry:
     path: str
     module: weakref.ReferenceType[nn.Module]
     slots: list[HeadSlot]
-    transforms: dict[str, RoleTransform]   # role -> transform
+    transforms: dict[str, RoleTransform]  # role -> transform
     out_features: int
 
 
 class DeployPlan:
     """A read checkpoint, and per model the validated entries saying where its transforms go."""
 
-    def __init__(self, directory: str | os.PathLike[str], example_args: Any = (),
-                 example_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self, directory: str | os.PathLike[str], example_args: Any = (), example_kwargs: dict[str, Any] | None = None
+    ):
         self.directory = str(directory)
         self.cfg, self.tensors = read_checkpoint(directory)
         self.example_args, self.example_kwargs = example_args, example_kwargs
@@ -67,17 +70,22 @@ class DeployPlan:
     def _prepare(self, model: nn.Module) -> list[DeployEntry]:
         name = type(model).__name__
         if kha_modules(model):
-            raise AlreadyAppliedError(f"deploy: {name} already carries KHA transforms; compile it with backend='kha' "
-                                      "instead of backend=kc.backend(from_pretrained=...).")
+            raise AlreadyAppliedError(
+                f"deploy: {name} already carries KHA transforms; compile it with backend='kha' "
+                "instead of backend=kc.backend(from_pretrained=...)."
+            )
         report, plan = analyse(model, self.cfg, self.example_args, self.example_kwargs)
         if not report.matched:
-            raise NoAttentionFoundError(f"deploy: kha_compile found no attention site in {name} to put the "
-                                        f"checkpoint {self.directory!r} into.")
+            raise NoAttentionFoundError(
+                f"deploy: kha_compile found no attention site in {name} to put the checkpoint {self.directory!r} into."
+            )
         unsupported = [p.module_path for p in plan if p.handler not in ("linear", "conv1d")]  # module-call projections
         if unsupported:
-            raise DeployError(f"deploy mode inserts transforms after projection modules only; {unsupported[:3]} "
-                              "are nn.MultiheadAttention in-projections. Use kc.load_pretrained(model, ckpt) and "
-                              "torch.compile(model, backend='kha').")
+            raise DeployError(
+                f"deploy mode inserts transforms after projection modules only; {unsupported[:3]} "
+                "are nn.MultiheadAttention in-projections. Use kc.load_pretrained(model, ckpt) and "
+                "torch.compile(model, backend='kha')."
+            )
         expected: dict[str, tuple[int, ...]] = {}
         for p in plan:
             for s in p.slots:
@@ -89,11 +97,28 @@ class DeployPlan:
             raise CheckpointError(f"the KHA checkpoint in {self.directory!r} does not fit {name}: {misfit}.")
         entries = []
         for p in plan:
-            transforms = {s.role: RoleTransform(p.kinds[s.role], tuple(self.tensors[f"{p.module_path}.kha.{s.role}.{q}"]
-                                                                       for q in TRANSFORM_PARAMS[p.kinds[s.role]]))
-                          for s in p.slots if s.role in p.kinds}
-            entries.append(DeployEntry(p.module_path, weakref.ref(model.get_submodule(p.module_path)),
-                                       [s for s in p.slots if s.role in p.kinds], transforms, p.out_features))
-        log.info("deploy: %d KHA transforms from %s fit %s (%d projections)",
-                 sum(len(e.transforms) for e in entries), self.directory, name, len(entries))
+            transforms = {
+                s.role: RoleTransform(
+                    p.kinds[s.role],
+                    tuple(self.tensors[f"{p.module_path}.kha.{s.role}.{q}"] for q in TRANSFORM_PARAMS[p.kinds[s.role]]),
+                )
+                for s in p.slots
+                if s.role in p.kinds
+            }
+            entries.append(
+                DeployEntry(
+                    p.module_path,
+                    weakref.ref(model.get_submodule(p.module_path)),
+                    [s for s in p.slots if s.role in p.kinds],
+                    transforms,
+                    p.out_features,
+                )
+            )
+        log.info(
+            "deploy: %d KHA transforms from %s fit %s (%d projections)",
+            sum(len(e.transforms) for e in entries),
+            self.directory,
+            name,
+            len(entries),
+        )
         return entries

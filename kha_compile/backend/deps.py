@@ -3,6 +3,7 @@
 The transform classes and the projection mixin live in :mod:`kha_compile.modules` today; when
 they move (``kha_compile.transforms``, ``passes.handlers``) only these imports change.
 """
+
 from __future__ import annotations
 
 from ..modules import (

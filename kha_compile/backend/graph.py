@@ -3,6 +3,7 @@
 The rules work on a copy of the Dynamo graph (:func:`copy_graph`): Dynamo keeps using the
 placeholders of the graph it passed after the backend returns.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,9 @@ LINEAR_FNS: tuple[Any, ...] = (torch._C._nn.linear, torch.nn.functional.linear)
 
 def is_call(node: fx.Node, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> bool:
     """Whether ``node`` calls one of ``functions`` or one of the tensor ``methods``."""
-    return ((node.op == "call_function" and node.target in functions)
-            or (node.op == "call_method" and node.target in methods))
+    return (node.op == "call_function" and node.target in functions) or (
+        node.op == "call_method" and node.target in methods
+    )
 
 
 def is_matmul(node: fx.Node) -> bool:
@@ -61,8 +63,7 @@ def is_matmul(node: fx.Node) -> bool:
 
 def is_mlp_value_op(node: fx.Node) -> bool:
     """A ``torch.ops.kha.mlp_value`` call."""
-    return node.op == "call_function" and node.target in (torch.ops.kha.mlp_value,
-                                                          torch.ops.kha.mlp_value.default)
+    return node.op == "call_function" and node.target in (torch.ops.kha.mlp_value, torch.ops.kha.mlp_value.default)
 
 
 def _module_types(node: fx.Node) -> list[Any]:
@@ -81,8 +82,7 @@ def inside(node: fx.Node, cls: type) -> bool:
 
 def touches_kha(node: fx.Node) -> bool:
     """Whether ``node`` is a KHA op or was traced inside a KHA module."""
-    return is_mlp_value_op(node) or any(isinstance(t, type) and issubclass(t, KHA_CLASSES)
-                                        for t in _module_types(node))
+    return is_mlp_value_op(node) or any(isinstance(t, type) and issubclass(t, KHA_CLASSES) for t in _module_types(node))
 
 
 def concrete(value: Any) -> Any:
@@ -103,6 +103,7 @@ def concrete(value: Any) -> Any:
 def _fake_mode(example_inputs: Sequence[Any]) -> Any:
     try:
         from torch._guards import detect_fake_mode
+
         return detect_fake_mode(example_inputs)
     except Exception:  # pragma: no cover
         return None
@@ -111,8 +112,7 @@ def _fake_mode(example_inputs: Sequence[Any]) -> Any:
 class GraphContext:
     """One graph being rewritten: the real tensors behind its inputs and the extra inputs added."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], stats: GraphStats,
-                 options: BackendOptions):
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], stats: GraphStats, options: BackendOptions):
         self.gm, self.graph = gm, gm.graph
         self.example_inputs = list(example_inputs)
         self.stats = stats
@@ -180,8 +180,9 @@ class GraphContext:
         if like is not None and "nn_module_stack" in like.meta:
             node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
         missing: list[fx.Node] = []
-        fake_args = fx.node.map_arg(args, lambda n: missing.append(n) if "example_value" not in n.meta
-                                    else n.meta["example_value"])
+        fake_args = fx.node.map_arg(
+            args, lambda n: missing.append(n) if "example_value" not in n.meta else n.meta["example_value"]
+        )
         if self._fake_mode is not None and not missing:
             try:
                 with self._fake_mode:

@@ -5,6 +5,7 @@ replayed on a meta stand-in whose token axes have stride 0, so any chain of view
 ``reshape``, ``unflatten``, ``split`` ...) of separate, fused or interleaved projections gives the
 head slot exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +33,37 @@ __all__ = [
     "view_descendants",
 ]
 
-ProjectionKind = Literal["linear", "addmm", "matmul"]   # linear: W (out, in); addmm, matmul: W (in, out)
+ProjectionKind = Literal["linear", "addmm", "matmul"]  # linear: W (out, in); addmm, matmul: W (in, out)
 
-_VIEW_METHODS = {"narrow", "view", "reshape", "unflatten", "flatten", "transpose", "permute", "unsqueeze",
-                 "squeeze", "split", "chunk", "contiguous", "__getitem__", "view_as"}
-_VIEW_FUNCTIONS: set[Any] = {torch.narrow, torch.reshape, torch.flatten, torch.unflatten, torch.transpose,
-                             torch.permute, torch.unsqueeze, torch.squeeze, torch.split, torch.chunk,
-                             operator.getitem}
+_VIEW_METHODS = {
+    "narrow",
+    "view",
+    "reshape",
+    "unflatten",
+    "flatten",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "chunk",
+    "contiguous",
+    "__getitem__",
+    "view_as",
+}
+_VIEW_FUNCTIONS: set[Any] = {
+    torch.narrow,
+    torch.reshape,
+    torch.flatten,
+    torch.unflatten,
+    torch.transpose,
+    torch.permute,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.split,
+    torch.chunk,
+    operator.getitem,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +127,8 @@ def projection(node: Any, ctx: GraphContext) -> Projection | None:
 def is_view(node: fx.Node) -> bool:
     """A pure layout op (view, reshape, split, getitem, ...)."""
     return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+    )
 
 
 def _simulate_view(node: fx.Node, value: Any, base: Tensor) -> Any:
@@ -144,7 +170,7 @@ def _simulate_view(node: fx.Node, value: Any, base: Tensor) -> Any:
 def features(value: Any, width: int) -> Tensor:
     """Boolean mask (width,) of the projection features a stand-in value reads."""
     mask = torch.zeros(width, dtype=torch.bool)
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+    for v in value if isinstance(value, (tuple, list)) else (value,):
         sizes = [s if st != 0 else 1 for s, st in zip(v.shape, v.stride())]
         if 0 in sizes:
             continue
@@ -184,8 +210,9 @@ def trace_back(node: fx.Node, ctx: GraphContext, limit: int = 16) -> Projection 
     return None
 
 
-def view_descendants(p: fx.Node, width: int, shape: Sequence[int]
-                     ) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, fx.Node]]]:
+def view_descendants(
+    p: fx.Node, width: int, shape: Sequence[int]
+) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, fx.Node]]]:
     """Stand-ins of every view reachable from ``p``, and the (consumer, viewed node) pairs that read them."""
     base = torch.empty(width, device="meta")
     values: dict[fx.Node, Any] = {p: base.as_strided(tuple(shape), (0,) * (len(shape) - 1) + (1,))}
@@ -196,8 +223,12 @@ def view_descendants(p: fx.Node, width: int, shape: Sequence[int]
         for u in cur.users:
             if u in values:
                 continue
-            if is_view(u) and u.args and u.args[0] is cur and all(
-                    n is cur or n not in values for n in u.all_input_nodes):
+            if (
+                is_view(u)
+                and u.args
+                and u.args[0] is cur
+                and all(n is cur or n not in values for n in u.all_input_nodes)
+            ):
                 out = _simulate_view(u, values[cur], base)
                 if out is not None:
                     values[u] = out

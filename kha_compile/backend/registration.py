@@ -4,6 +4,7 @@ If Dynamo's backend registry is not imported yet, a one-shot import hook registe
 when it is, so ``import kha_compile`` imports nothing of Dynamo or Inductor. The entry point
 ``torch_dynamo_backends: kha = kha_compile.backend:kha`` (pyproject.toml) is the other way in.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -43,8 +44,9 @@ class _RegisteringLoader(importlib.abc.Loader):
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
     """Registers "kha" right after Dynamo's backend registry module is first imported."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != REGISTRY:
             return None
         for finder in sys.meta_path:

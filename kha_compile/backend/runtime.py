@@ -5,6 +5,7 @@ returned callable computes from the live parameters, and recomputes whenever a s
 replaced or modified in place (its version counter moves). An optimizer step between two
 ``no_grad`` calls therefore never leaves a stale fold behind.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,10 @@ class Recipe:
     def values(self, args: Sequence[Any], attr: Callable[[str], Any]) -> tuple[Tensor, ...]:
         """The values for this call: cached, or recomputed when a source tensor changed."""
         tensors = self._inputs(lambda s: s.resolve(args, attr))
-        stale = any((r is None) != (t is None) or (t is not None and r is not None and (r() is not t or _version(t) != v))
-                    for r, t, v in zip(self._refs, tensors, self._versions))
+        stale = any(
+            (r is None) != (t is None) or (t is not None and r is not None and (r() is not t or _version(t) != v))
+            for r, t, v in zip(self._refs, tensors, self._versions)
+        )
         if stale:
             with torch.no_grad():
                 self._values = tuple(self.fn(*tensors))

@@ -1,4 +1,5 @@
 """What the backend did: per-graph and summed rewrite counts, declines with their reasons."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,10 +46,10 @@ class GraphStats:
     """What the backend did to one Dynamo graph."""
 
     index: int
-    rewrites: dict[RuleName, int] = dataclasses.field(default_factory=dict)   # rule name -> rewrites made
+    rewrites: dict[RuleName, int] = dataclasses.field(default_factory=dict)  # rule name -> rewrites made
     declined: list[Decline] = dataclasses.field(default_factory=list)
-    mlp_value_ops: int = 0       # kha::mlp_value ops in the graph handed to the compiler
-    has_kha: bool = False        # the graph carried or received any KHA transform
+    mlp_value_ops: int = 0  # kha::mlp_value ops in the graph handed to the compiler
+    has_kha: bool = False  # the graph carried or received any KHA transform
 
     def count(self, rule: RuleName) -> int:
         return self.rewrites.get(rule, 0)
@@ -93,8 +94,10 @@ class BackendStats:
 
     def __str__(self) -> str:
         r = self.rewrites
-        return (f"{len(self.graphs)} graph(s): {self.mlp_value_ops} kha::mlp_value op(s) "
-                f"({r['fuse_mlp_value']} fused from the decomposed form), "
-                f"{r['fold_linear']} linear transform(s) folded, "
-                f"{r['deploy']} transform(s) inserted from a checkpoint, "
-                f"{len(self.declined)} declined")
+        return (
+            f"{len(self.graphs)} graph(s): {self.mlp_value_ops} kha::mlp_value op(s) "
+            f"({r['fuse_mlp_value']} fused from the decomposed form), "
+            f"{r['fold_linear']} linear transform(s) folded, "
+            f"{r['deploy']} transform(s) inserted from a checkpoint, "
+            f"{len(self.declined)} declined"
+        )

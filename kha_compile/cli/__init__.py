@@ -21,6 +21,7 @@ Example::
     kha-compile bench                                  # lists the benchmarks
     kha-compile kernels --arch sm_80,sm_90 --json kernels.json
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

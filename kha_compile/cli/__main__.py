@@ -1,4 +1,5 @@
 """``python -m kha_compile.cli``: the ``kha-compile`` command."""
+
 from __future__ import annotations
 
 import sys

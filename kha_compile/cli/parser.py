@@ -1,4 +1,5 @@
 """The argparse parser of ``kha-compile``: one subparser per command, errors shown with that command's usage."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,19 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                        help="show the library's log (-vv: debug) and tracebacks")
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="show the library's log (-vv: debug) and tracebacks",
+    )
     parser = argparse.ArgumentParser(
-        prog="kha-compile", parents=[common], allow_abbrev=False,
-        description="Knocking-heads attention (KHA) inserted into PyTorch models by a graph pass.")
+        prog="kha-compile",
+        parents=[common],
+        allow_abbrev=False,
+        description="Knocking-heads attention (KHA) inserted into PyTorch models by a graph pass.",
+    )
     parser.add_argument("--version", action="version", version=f"kha-compile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

@@ -1,4 +1,5 @@
 """Rendering and logging for the command line: rich consoles, tables, the log handler."""
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,7 @@ def command_logging(verbose: int, ui: UI) -> Iterator[None]:
 
     logger = logging.getLogger("kha_compile")
     saved = logger.level
-    handler = RichHandler(console=ui.err, show_time=False, show_path=verbose >= 2, markup=False,
-                          rich_tracebacks=True)
+    handler = RichHandler(console=ui.err, show_time=False, show_path=verbose >= 2, markup=False, rich_tracebacks=True)
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
     _QUIET["verbose"] = verbose
@@ -68,7 +68,7 @@ def command_logging(verbose: int, ui: UI) -> Iterator[None]:
     with warnings.catch_warnings():
         if not verbose:
             onnx_logger.setLevel(logging.ERROR)
-            warnings.simplefilter("ignore", FutureWarning)      # deprecations inside torch / transformers
+            warnings.simplefilter("ignore", FutureWarning)  # deprecations inside torch / transformers
             warnings.simplefilter("ignore", DeprecationWarning)
         try:
             yield
@@ -112,13 +112,19 @@ def report_table(report: Report, title: str | None = None) -> Table:
     """A rich Table of a :class:`~kha_compile.Report` (its HEADER and rows())."""
     from rich.table import Table
 
-    table = Table(title=title or f"{report.model}: {len(report.matched)} attention sites matched, "
-                                 f"{len(report.skipped)} skipped",
-                  caption=f"traced {report.traced_blocks} distinct block(s) in {report.trace_seconds:.2f}s",
-                  title_justify="left", caption_justify="left")
+    table = Table(
+        title=title or f"{report.model}: {len(report.matched)} attention sites matched, {len(report.skipped)} skipped",
+        caption=f"traced {report.traced_blocks} distinct block(s) in {report.trace_seconds:.2f}s",
+        title_justify="left",
+        caption_justify="left",
+    )
     for col in report.HEADER:
-        table.add_column(col, no_wrap=col in ("site", "kha"), overflow="fold",
-                         justify="right" if col in ("heads", "kv", "dim") else "left")
+        table.add_column(
+            col,
+            no_wrap=col in ("site", "kha"),
+            overflow="fold",
+            justify="right" if col in ("heads", "kv", "dim") else "left",
+        )
     for site, row in zip(report.sites, report.rows()):
         style = None if site.matched else "yellow"
         if site.matched and site.transforms:

@@ -8,6 +8,7 @@ carries a model-local function of the same domain and name that holds the decomp
 onnxruntime, the ONNX checker and every runtime that inlines functions run it as it is (TensorRT
 too, when the plugin is not registered).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,16 +45,17 @@ __all__ = [
     "mlp_value_function",
     "onnx_summary",
     "read_kha_metadata",
+    "translate_mlp_value",
 ]
 
 log = logging.getLogger(__name__)
 
-MLP_VALUE_DOMAIN = "kha"            # ONNX domain of the custom node
-MLP_VALUE_OP = "MLPValue"           # its op_type; also the TensorRT plugin name
-MLP_VALUE_DOMAIN_VERSION = 1        # opset version of the "kha" domain
-PLUGIN_NAMESPACE = "kha"            # node attribute "plugin_namespace"
-PLUGIN_VERSION = "1"                # node attribute "plugin_version" (tensorrt.plugin registers "1")
-PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{MLP_VALUE_OP}"   # the id tensorrt.plugin.register takes
+MLP_VALUE_DOMAIN = "kha"  # ONNX domain of the custom node
+MLP_VALUE_OP = "MLPValue"  # its op_type; also the TensorRT plugin name
+MLP_VALUE_DOMAIN_VERSION = 1  # opset version of the "kha" domain
+PLUGIN_NAMESPACE = "kha"  # node attribute "plugin_namespace"
+PLUGIN_VERSION = "1"  # node attribute "plugin_version" (tensorrt.plugin registers "1")
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{MLP_VALUE_OP}"  # the id tensorrt.plugin.register takes
 
 _MLP_VALUE_INPUTS = ("v", "w_up", "w_gate", "w_down")
 _PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
@@ -62,6 +64,7 @@ _PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 # --------------------------------------------------------------------------------------------
 # Summary of an ONNX file (plain data, used by the tests and the TensorRT path)
 # --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
@@ -74,8 +77,7 @@ class TensorInfo:
     @property
     def dynamic_axes(self) -> dict[int, str]:
         """``{axis: name}`` for every axis that is not a fixed size."""
-        return {i: (d if isinstance(d, str) else "?") for i, d in enumerate(self.dims)
-                if not isinstance(d, int)}
+        return {i: (d if isinstance(d, str) else "?") for i, d in enumerate(self.dims) if not isinstance(d, int)}
 
     def __str__(self) -> str:
         dims = ", ".join("?" if d is None else str(d) for d in self.dims)
@@ -87,11 +89,11 @@ class OnnxSummary:
     """What an ONNX file holds: node counts, the MLP-value nodes, functions, inputs and outputs."""
 
     path: pathlib.Path | None
-    opset: int                                   # default-domain opset the model imports
-    num_nodes: int                               # nodes of the main graph
-    op_counts: dict[str, int]                    # "domain::op_type" (or "op_type") -> count
-    custom_nodes: tuple[str, ...]                # names of the kha::MLPValue nodes
-    functions: tuple[tuple[str, str], ...]       # (domain, name) of the model-local functions
+    opset: int  # default-domain opset the model imports
+    num_nodes: int  # nodes of the main graph
+    op_counts: dict[str, int]  # "domain::op_type" (or "op_type") -> count
+    custom_nodes: tuple[str, ...]  # names of the kha::MLPValue nodes
+    functions: tuple[tuple[str, str], ...]  # (domain, name) of the model-local functions
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
 
@@ -101,9 +103,12 @@ class OnnxSummary:
 
     def __str__(self) -> str:
         lines = [
-            (f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
-            f"{self.num_custom_nodes} {MLP_VALUE_DOMAIN}::{MLP_VALUE_OP}, "
-            f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}")]
+            (
+                f"ONNX model {self.path or ''} (opset {self.opset}): {self.num_nodes} nodes, "
+                f"{self.num_custom_nodes} {MLP_VALUE_DOMAIN}::{MLP_VALUE_OP}, "
+                f"functions: {', '.join('::'.join(f) for f in self.functions) or 'none'}"
+            )
+        ]
         for kind, infos in (("input", self.inputs), ("output", self.outputs)):
             for info in infos:
                 axes = info.dynamic_axes
@@ -135,8 +140,12 @@ def onnx_summary(model_or_path: Any) -> OnnxSummary:
     custom = tuple(n.name for n in graph.node if _is_mlp_value_node(n))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return OnnxSummary(
-        path=path, opset=opset, num_nodes=len(graph.node), op_counts=op_counts,
-        custom_nodes=custom, functions=tuple((f.domain, f.name) for f in model.functions),
+        path=path,
+        opset=opset,
+        num_nodes=len(graph.node),
+        op_counts=op_counts,
+        custom_nodes=custom,
+        functions=tuple((f.domain, f.name) for f in model.functions),
         inputs=tuple(_tensor_info(v, onnx) for v in graph.input),
         outputs=tuple(_tensor_info(v, onnx) for v in graph.output),
     )
@@ -166,6 +175,7 @@ def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
 # The custom node and its function body
 # --------------------------------------------------------------------------------------------
 
+
 def mlp_value_function(opset: int) -> Any:
     """The ``kha::MLPValue`` FunctionProto: ``y = ((v @ w_up) * sigmoid(v @ w_gate)) @ (2 * w_down)``.
 
@@ -179,12 +189,13 @@ def mlp_value_function(opset: int) -> Any:
     if opset < 15:
         raise ExportError(
             f"ONNX export, step 'function': the MLPValue function needs default-domain opset >= 15 "
-            f"(CastLike); the model imports opset {opset}.")
+            f"(CastLike); the model imports opset {opset}."
+        )
     onnx = import_onnx()
     h = onnx.helper
     nodes = [
-        h.make_node("MatMul", ["v", "w_up"], ["up"]),                 # (..., d)
-        h.make_node("MatMul", ["v", "w_gate"], ["gate"]),             # (..., d)
+        h.make_node("MatMul", ["v", "w_up"], ["up"]),  # (..., d)
+        h.make_node("MatMul", ["v", "w_gate"], ["gate"]),  # (..., d)
         h.make_node("Sigmoid", ["gate"], ["gate_sig"]),
         h.make_node("Mul", ["up", "gate_sig"], ["hidden"]),
         # the factor 2 goes on the (d, d) weight, not on the (..., d) activations: one pass over
@@ -192,12 +203,18 @@ def mlp_value_function(opset: int) -> Any:
         h.make_node("Constant", [], ["two_f32"], value_float=2.0),
         h.make_node("CastLike", ["two_f32", "w_down"], ["two"]),
         h.make_node("Mul", ["w_down", "two"], ["w_down2"]),
-        h.make_node("MatMul", ["hidden", "w_down2"], ["y"]),          # (..., d)
+        h.make_node("MatMul", ["hidden", "w_down2"], ["y"]),  # (..., d)
     ]
     return h.make_function(
-        MLP_VALUE_DOMAIN, MLP_VALUE_OP, list(_MLP_VALUE_INPUTS), ["y"], nodes,
-        opset_imports=[h.make_opsetid("", opset)], attributes=list(_PLUGIN_ATTRIBUTES),
-        doc_string="KHA MLP-value transform over the last axis of v; weights are (d, d).")
+        MLP_VALUE_DOMAIN,
+        MLP_VALUE_OP,
+        list(_MLP_VALUE_INPUTS),
+        ["y"],
+        nodes,
+        opset_imports=[h.make_opsetid("", opset)],
+        attributes=list(_PLUGIN_ATTRIBUTES),
+        doc_string="KHA MLP-value transform over the last axis of v; weights are (d, d).",
+    )
 
 
 @contextlib.contextmanager
@@ -216,13 +233,18 @@ def _mlp_value_schema() -> Iterator[None]:
         return
     params = [OpSchema.FormalParameter(name, "T") for name in _MLP_VALUE_INPUTS]
     schema = OpSchema(
-        MLP_VALUE_OP, MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION,
+        MLP_VALUE_OP,
+        MLP_VALUE_DOMAIN,
+        MLP_VALUE_DOMAIN_VERSION,
         doc="KHA MLP-value: y = 2 * ((v @ w_up) * sigmoid(v @ w_gate)) @ w_down",
-        inputs=params, outputs=[OpSchema.FormalParameter("y", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)",
-                                 "tensor(double)"], "floating point tensors")],
-        attributes=[OpSchema.Attribute(a, OpSchema.AttrType.STRING, "TensorRT plugin lookup key")
-                    for a in _PLUGIN_ATTRIBUTES],
+        inputs=params,
+        outputs=[OpSchema.FormalParameter("y", "T")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"], "floating point tensors")
+        ],
+        attributes=[
+            OpSchema.Attribute(a, OpSchema.AttrType.STRING, "TensorRT plugin lookup key") for a in _PLUGIN_ATTRIBUTES
+        ],
     )
     onnx.defs.register_schema(schema)
     try:
@@ -231,23 +253,29 @@ def _mlp_value_schema() -> Iterator[None]:
         onnx.defs.deregister_schema(MLP_VALUE_OP, MLP_VALUE_DOMAIN_VERSION, MLP_VALUE_DOMAIN)
 
 
-def _translate_mlp_value(v, w_up, w_gate, w_down):
+def translate_mlp_value(v, w_up, w_gate, w_down):
     """custom_translation_table entry: ``kha::mlp_value`` -> one ``kha::MLPValue`` node."""
     from onnxscript.values import Opset
 
     kha = Opset(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
-    return kha.MLPValue(v, w_up, w_gate, w_down,
-                        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    return kha.MLPValue(v, w_up, w_gate, w_down, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
 
 
 # --------------------------------------------------------------------------------------------
 # export_onnx
 # --------------------------------------------------------------------------------------------
 
-def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (),
-                example_kwargs: dict[str, Any] | None = None, dynamic: bool = True,
-                fold: bool = True, input_names: Sequence[str] | None = None,
-                output_names: Sequence[str] | None = None) -> pathlib.Path:
+
+def export_onnx(
+    model: nn.Module,
+    path: str | os.PathLike,
+    example_args: Any = (),
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic: bool = True,
+    fold: bool = True,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> pathlib.Path:
     """Export ``model`` to ONNX at ``path``: each MLP-value call is one ``kha::MLPValue`` node.
 
     With ``fold`` (default) a deep copy of a model with KHA gets its linear KHA folded into the
@@ -288,7 +316,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
     name = type(model).__name__
     metadata = kha_metadata(model, args, kwargs, folded=fold)
     if fold and any("kha" in n for n, _ in model.named_parameters()):
-        model = copy.deepcopy(model)        # nothing to fold without KHA: no copy then
+        model = copy.deepcopy(model)  # nothing to fold without KHA: no copy then
         _fold_copy(model)
     was_training = model.training
     model.eval()
@@ -298,8 +326,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
         model.train(was_training)
 
     ir_model = program.model
-    num_custom = sum(1 for node in ir_model.graph if node.domain == MLP_VALUE_DOMAIN
-                     and node.op_type == MLP_VALUE_OP)
+    num_custom = sum(1 for node in ir_model.graph if node.domain == MLP_VALUE_DOMAIN and node.op_type == MLP_VALUE_OP)
     if num_custom:
         _add_mlp_value_function(ir_model)
     exported = getattr(program, "exported_program", None)
@@ -310,24 +337,28 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_args: Any = (
     ir_model.metadata_props.update(metadata)
 
     try:
-        program.save(path)          # external data only for models near protobuf's 2 GB limit
+        program.save(path)  # external data only for models near protobuf's 2 GB limit
     except Exception as e:
-        raise ExportError(f"ONNX export of {name}, step 'save': could not write "
-                          f"{str(path)!r}: {type(e).__name__}: {e}") from e
+        raise ExportError(
+            f"ONNX export of {name}, step 'save': could not write {str(path)!r}: {type(e).__name__}: {e}"
+        ) from e
     try:
         import onnx
 
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as e:
-        raise ExportError(f"ONNX export of {name}, step 'check': onnx.checker "
-                          f"rejects {str(path)!r}: {type(e).__name__}: {e}") from e
+        raise ExportError(
+            f"ONNX export of {name}, step 'check': onnx.checker rejects {str(path)!r}: {type(e).__name__}: {e}"
+        ) from e
 
     summary = onnx_summary(path)
     log.info("%s", summary)
     if summary.num_custom_nodes != num_custom:  # the optimizer must keep every MLP-value node
-        raise ExportError(f"ONNX export of {name}, step 'check': {num_custom} "
-                          f"MLPValue nodes were translated but {summary.num_custom_nodes} are in "
-                          f"{str(path)!r}.")
+        raise ExportError(
+            f"ONNX export of {name}, step 'check': {num_custom} "
+            f"MLPValue nodes were translated but {summary.num_custom_nodes} are in "
+            f"{str(path)!r}."
+        )
     return path
 
 
@@ -341,10 +372,10 @@ def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
         return kwargs
     try:
         inspect.signature(model.forward).bind(*args, **kwargs, use_cache=False)
-    except (TypeError, ValueError):       # no such parameter, or args already cover it
+    except (TypeError, ValueError):  # no such parameter, or args already cover it
         return kwargs
     if "use_cache" not in inspect.signature(model.forward).parameters:
-        return kwargs                     # it would only land in **kwargs
+        return kwargs  # it would only land in **kwargs
     log.info("exporting %s with use_cache=False", type(model).__name__)
     return {**kwargs, "use_cache": False}
 
@@ -354,14 +385,13 @@ def check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> 
     path = pathlib.Path(path).expanduser()
     parent = path.parent.resolve()
     if path.is_dir():
-        raise ExportError(f"cannot write {what} to {str(path)!r}: it is a directory; give a file "
-                          f"path inside it.")
+        raise ExportError(f"cannot write {what} to {str(path)!r}: it is a directory; give a file path inside it.")
     if not parent.is_dir():
-        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} "
-                          f"does not exist; create it first.")
+        raise ExportError(
+            f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} does not exist; create it first."
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} "
-                          f"is not writable.")
+        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} is not writable.")
     return path
 
 
@@ -384,14 +414,21 @@ def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) ->
     try:
         shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
     except TypeError as e:
-        raise ExportError(f"ONNX export of {name}, step 'export': the example inputs do not fit "
-                          f"{name}.forward: {e}") from e
+        raise ExportError(
+            f"ONNX export of {name}, step 'export': the example inputs do not fit {name}.forward: {e}"
+        ) from e
     try:
         with _mlp_value_schema():
             return torch.onnx.export(
-                model, args, kwargs=kwargs, dynamo=True, dynamic_shapes=shapes,
-                custom_translation_table={torch.ops.kha.mlp_value.default: _translate_mlp_value},
-                optimize=True, verbose=False)
+                model,
+                args,
+                kwargs=kwargs,
+                dynamo=True,
+                dynamic_shapes=shapes,
+                custom_translation_table={torch.ops.kha.mlp_value.default: translate_mlp_value},
+                optimize=True,
+                verbose=False,
+            )
     except Exception as e:
         # torch.onnx: TorchExportError = torch.export failed (step 1); ConversionError = the
         # translation to ONNX failed (step 3); anything else is the exporter's own.
@@ -426,8 +463,10 @@ def _add_mlp_value_function(ir_model: Any) -> None:
         ir_model.functions[function.identifier()] = function
         ir_model.opset_imports.setdefault(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
     except Exception as e:
-        raise ExportError(f"ONNX export, step 'function': could not add the {MLP_VALUE_DOMAIN}::"
-                          f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}") from e
+        raise ExportError(
+            f"ONNX export, step 'function': could not add the {MLP_VALUE_DOMAIN}::"
+            f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}"
+        ) from e
 
 
 def import_onnx() -> Any:
@@ -438,5 +477,6 @@ def import_onnx() -> Any:
     except ImportError as e:
         raise BackendUnavailableError(
             f"ONNX export needs the onnx and onnxscript packages ({e}); install them with "
-            f"`pip install onnx onnxscript` (or `pip install kha-compile[onnx]`).") from e
+            f"`pip install onnx onnxscript` (or `pip install kha-compile[onnx]`)."
+        ) from e
     return onnx

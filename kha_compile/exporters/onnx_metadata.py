@@ -28,9 +28,7 @@ __all__ = ["METADATA_KEYS", "METADATA_PREFIX", "kha_metadata", "read_kha_metadat
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "kha_compile."
-METADATA_KEYS = tuple(
-    METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded")
-)
+METADATA_KEYS = tuple(METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded"))
 _SITE_FIELDS = (
     "name",
     "kind",
@@ -43,9 +41,7 @@ _SITE_FIELDS = (
 _JSON_KEYS = ("config", "sites", "folded")
 
 
-def kha_metadata(
-    model: nn.Module, args: tuple, kwargs: dict, folded: bool
-) -> dict[str, str]:
+def kha_metadata(model: nn.Module, args: tuple, kwargs: dict, folded: bool) -> dict[str, str]:
     """The ``metadata_props`` entries for ``model`` (the caller's, before any fold).
 
     The sites come from :func:`kha_compile.inspect` on the export's example inputs; a model
@@ -64,9 +60,7 @@ def kha_metadata(
         try:
             report = inspect_model(model, args, kwargs)
             sites = [{f: getattr(s, f) for f in _SITE_FIELDS} for s in report.matched]
-        except (
-            KHAError
-        ) as e:  # the export itself traced: record that the sites are unknown
+        except KHAError as e:  # the export itself traced: record that the sites are unknown
             log.warning(
                 "the ONNX metadata has no KHA sites: kc.inspect failed on %s: %s",
                 type(model).__name__,
@@ -78,15 +72,10 @@ def kha_metadata(
         "kha": "applied" if has_kha else "none",
         "config": config,
         "sites": sites,
-        "folded": bool(
-            folded and config and "linear" in (config["q"], config["k"], config["v"])
-        ),
+        "folded": bool(folded and config and "linear" in (config["q"], config["k"], config["v"])),
     }
     return {
-        METADATA_PREFIX + k: (
-            json.dumps(v, sort_keys=True) if k in _JSON_KEYS else str(v)
-        )
-        for k, v in values.items()
+        METADATA_PREFIX + k: (json.dumps(v, sort_keys=True) if k in _JSON_KEYS else str(v)) for k, v in values.items()
     }
 
 

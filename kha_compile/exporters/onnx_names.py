@@ -66,10 +66,7 @@ def dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any
 
     def spec(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {
-                axis: torch.export.Dim.AUTO
-                for axis in dynamic_axes_for(name, value.dim())
-            } or None
+            return {axis: torch.export.Dim.AUTO for axis in dynamic_axes_for(name, value.dim())} or None
         if isinstance(value, dict):
             return {k: spec(str(k), v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -106,8 +103,7 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
             if symbol is None or symbol in fixed:
                 size = fixed.get(symbol, dim) if symbol is not None else dim
                 log.warning(
-                    "input %r axis %d (%s) is exported as the fixed size %s: the model "
-                    "allows no other",
+                    "input %r axis %d (%s) is exported as the fixed size %s: the model allows no other",
                     value.name,
                     axis,
                     wanted,
@@ -131,11 +127,7 @@ def name_dynamic_dims(ir_model: Any, range_constraints: Mapping[Any, Any]) -> No
         return ir.SymbolicDim(pattern.sub(lambda m: str(mapping[m.group(1)]), d.value))
 
     values = list(graph.inputs) + list(graph.outputs)
-    values += [
-        out
-        for node in ir.traversal.RecursiveGraphIterator(graph)
-        for out in node.outputs
-    ]
+    values += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
     for value in values:
         if value.shape is not None:
             value.shape = ir.Shape([rename(d) for d in value.shape])
@@ -160,10 +152,7 @@ def output_names_of(out_spec: Any) -> list[str]:
     tree = pytree.tree_unflatten(placeholders, out_spec)
     names = []
     for path, _ in pytree.tree_flatten_with_path(tree)[0]:
-        parts = [
-            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-            for k in path
-        ]
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
         if not parts:
             names.append("output")
         elif isinstance(path[0], pytree.SequenceKey):
@@ -177,14 +166,9 @@ def _default_output_names(count: int) -> list[str]:
     return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
 
-def _check_names(
-    kind: str, given: Sequence[str], current: Sequence[str], model_name: str
-) -> None:
+def _check_names(kind: str, given: Sequence[str], current: Sequence[str], model_name: str) -> None:
     if isinstance(given, str) or not all(isinstance(n, str) and n for n in given):
-        raise ExportNamesError(
-            f"{kind}_names must be a list of non-empty strings, one per {kind}; "
-            f"got {given!r}."
-        )
+        raise ExportNamesError(f"{kind}_names must be a list of non-empty strings, one per {kind}; got {given!r}.")
     if len(given) != len(current):
         raise ExportNamesError(
             f"{kind}_names has {len(given)} name(s) but the exported {model_name} has "
@@ -193,10 +177,7 @@ def _check_names(
         )
     dupes = sorted({n for n in given if list(given).count(n) > 1})
     if dupes:
-        raise ExportNamesError(
-            f"{kind}_names repeats {', '.join(map(repr, dupes))}; ONNX names "
-            f"must be unique."
-        )
+        raise ExportNamesError(f"{kind}_names repeats {', '.join(map(repr, dupes))}; ONNX names must be unique.")
 
 
 def rename_io(
@@ -234,8 +215,7 @@ def rename_io(
     if derived is None or len(derived) != len(outputs):
         if derived is not None:
             log.warning(
-                "%s returns %d values (%s) but the ONNX graph has %d outputs; using "
-                "default output names",
+                "%s returns %d values (%s) but the ONNX graph has %d outputs; using default output names",
                 model_name,
                 len(derived),
                 ", ".join(derived),
@@ -253,9 +233,7 @@ def rename_io(
         renames += list(zip(graph.inputs, input_names))
     seen: set[int] = set()
     for i, value in enumerate(outputs):
-        if (
-            value.is_graph_input() or id(value) in seen
-        ):  # a passthrough or a repeated value
+        if value.is_graph_input() or id(value) in seen:  # a passthrough or a repeated value
             node = ir.Node("", "Identity", [value], num_outputs=1)
             graph.append(node)
             node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
@@ -272,11 +250,7 @@ def _apply_renames(graph: Any, renames: list[tuple[Any, str]]) -> None:
     targets = {id(v) for v, _ in renames}
     wanted = {name for _, name in renames}
     everything = list(graph.inputs) + list(graph.initializers.values())
-    everything += [
-        out
-        for node in ir.traversal.RecursiveGraphIterator(graph)
-        for out in node.outputs
-    ]
+    everything += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
     names = {v.name for v in everything if v.name}
     for value in everything:
         if id(value) in targets or value.name not in wanted:

@@ -12,6 +12,7 @@ time: a process that loads it calls :func:`register_mlp_value_plugin` first (:fu
 Everything here that needs no GPU (the optimization profile, the precision plan) is a plain
 function; ``tensorrt`` is imported only by the functions that need it.
 """
+
 import dataclasses
 import logging
 import os
@@ -51,8 +52,11 @@ log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # (min, opt, max) of the dynamic dims that export_onnx names ("seq" for files written before 0.1.1).
-DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "sequence": (1, 128, 1024),
-                                                      "seq": (1, 128, 1024)}
+DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {
+    "batch": (1, 1, 8),
+    "sequence": (1, 128, 1024),
+    "seq": (1, 128, 1024),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,10 +66,11 @@ DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {"batch": (1, 1, 8), "sequ
 Shape = tuple[int, ...]
 
 
-def profile_shapes(inputs: Sequence[TensorInfo],
-                   profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
-                   dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
-                   ) -> dict[str, tuple[Shape, Shape, Shape]]:
+def profile_shapes(
+    inputs: Sequence[TensorInfo],
+    profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
+    dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
+) -> dict[str, tuple[Shape, Shape, Shape]]:
     """(min, opt, max) shape of every input, for one TensorRT optimization profile.
 
     An input named in ``profile`` takes its shapes from there. Every other input keeps its fixed
@@ -83,8 +88,10 @@ def profile_shapes(inputs: Sequence[TensorInfo],
     profile = dict(profile or {})
     unknown = sorted(set(profile) - {i.name for i in inputs})
     if unknown:
-        raise ExportError(f"TensorRT profile names inputs the ONNX model does not have: {unknown}; "
-                          f"its inputs are {[i.name for i in inputs]}.")
+        raise ExportError(
+            f"TensorRT profile names inputs the ONNX model does not have: {unknown}; "
+            f"its inputs are {[i.name for i in inputs]}."
+        )
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
     for info in inputs:
         if info.name in profile:
@@ -102,7 +109,8 @@ def profile_shapes(inputs: Sequence[TensorInfo],
                             f"TensorRT profile: input {info.name!r} axis {axis} is dynamic "
                             f"({dim or 'unnamed'}) and has no range; pass dim_ranges="
                             f"{{{dim or 'name'!r}: (min, opt, max)}} or a profile for "
-                            f"{info.name!r}.")
+                            f"{info.name!r}."
+                        )
                 for lst, x in zip(bounds, r):
                     lst.append(int(x))
             lo, opt, hi = (tuple(b) for b in bounds)
@@ -125,15 +133,14 @@ def _dim_range(name: str | None, ranges: Mapping[str, tuple[int, int, int]]) -> 
 def _check_profile_entry(info: TensorInfo, lo: Shape, opt: Shape, hi: Shape) -> None:
     where = f"TensorRT profile for input {info.name!r} (dims {list(info.dims)})"
     if not len(lo) == len(opt) == len(hi) == len(info.dims):
-        raise ExportError(f"{where}: min {lo}, opt {opt}, max {hi} must each have "
-                          f"{len(info.dims)} dims.")
+        raise ExportError(f"{where}: min {lo}, opt {opt}, max {hi} must each have {len(info.dims)} dims.")
     for axis, dim in enumerate(info.dims):
         if not 0 <= lo[axis] <= opt[axis] <= hi[axis]:
-            raise ExportError(f"{where}: axis {axis} needs 0 <= min <= opt <= max; got "
-                              f"{lo[axis]}, {opt[axis]}, {hi[axis]}.")
+            raise ExportError(
+                f"{where}: axis {axis} needs 0 <= min <= opt <= max; got {lo[axis]}, {opt[axis]}, {hi[axis]}."
+            )
         if isinstance(dim, int) and not lo[axis] == opt[axis] == hi[axis] == dim:
-            raise ExportError(f"{where}: axis {axis} is fixed at {dim}; got {lo[axis]}, "
-                              f"{opt[axis]}, {hi[axis]}.")
+            raise ExportError(f"{where}: axis {axis} is fixed at {dim}; got {lo[axis]}, {opt[axis]}, {hi[axis]}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +148,7 @@ class BuildPlan:
     """How to build for a precision: a strongly typed network, or a weakly typed one + a flag."""
 
     strongly_typed: bool
-    builder_flag: str | None      # "FP16" / "BF16" for a weakly typed build (TensorRT 10 only)
+    builder_flag: str | None  # "FP16" / "BF16" for a weakly typed build (TensorRT 10 only)
     allow_tf32: bool
 
 
@@ -170,10 +177,13 @@ def build_plan(precision: str, onnx_dtype: str | None, weak_typing_available: bo
             f"precision={precision!r} from a float32 ONNX file needs TensorRT's weak typing, which "
             f"this TensorRT no longer has (TensorRT 11 builds strongly typed networks only): export "
             f"the model in {want} (model.to(torch.{want}) before kc.export_onnx), or convert the "
-            f"file with NVIDIA ModelOpt AutoCast, then build again.")
-    raise ExportError(f"precision={precision!r} does not fit an ONNX file in {onnx_dtype}: export "
-                      f"the model in {want}, or pass precision="
-                      f"{next(k for k, v in PRECISIONS.items() if v == onnx_dtype)!r}.")
+            f"file with NVIDIA ModelOpt AutoCast, then build again."
+        )
+    raise ExportError(
+        f"precision={precision!r} does not fit an ONNX file in {onnx_dtype}: export "
+        f"the model in {want}, or pass precision="
+        f"{next(k for k, v in PRECISIONS.items() if v == onnx_dtype)!r}."
+    )
 
 
 def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
@@ -190,8 +200,11 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    names = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-             onnx.TensorProto.BFLOAT16: "bfloat16"}
+    names = {
+        onnx.TensorProto.FLOAT: "float32",
+        onnx.TensorProto.FLOAT16: "float16",
+        onnx.TensorProto.BFLOAT16: "bfloat16",
+    }
     for init in model.graph.initializer:
         if init.data_type in names:
             return names[init.data_type]
@@ -200,11 +213,13 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
 
 def _trt_logger(trt: Any) -> Any:
     """A ``trt.ILogger`` that forwards TensorRT's messages to this module's logger."""
-    levels = {trt.ILogger.Severity.INTERNAL_ERROR: logging.ERROR,
-              trt.ILogger.Severity.ERROR: logging.ERROR,
-              trt.ILogger.Severity.WARNING: logging.WARNING,
-              trt.ILogger.Severity.INFO: logging.DEBUG,
-              trt.ILogger.Severity.VERBOSE: logging.DEBUG}
+    levels = {
+        trt.ILogger.Severity.INTERNAL_ERROR: logging.ERROR,
+        trt.ILogger.Severity.ERROR: logging.ERROR,
+        trt.ILogger.Severity.WARNING: logging.WARNING,
+        trt.ILogger.Severity.INFO: logging.DEBUG,
+        trt.ILogger.Severity.VERBOSE: logging.DEBUG,
+    }
 
     class _Logger(trt.ILogger):
         def __init__(self) -> None:
@@ -231,7 +246,7 @@ def _progress_monitor(trt: Any) -> Any | None:
             log.debug("TensorRT build: %s (%d steps)", phase_name, num_steps)
 
         def step_complete(self, phase_name: str, step: int) -> bool:
-            return True                                     # False would cancel the build
+            return True  # False would cancel the build
 
         def phase_finish(self, phase_name: str) -> None:
             took = time.perf_counter() - self._start.pop(phase_name, time.perf_counter())
@@ -244,15 +259,20 @@ def _progress_monitor(trt: Any) -> Any | None:
 # export_tensorrt, run_engine
 # --------------------------------------------------------------------------------------------
 
-def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *,
-                    precision: str = "fp16", workspace_gb: float = 4.0,
-                    profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
-                    min_shapes: Mapping[str, Sequence[int]] | None = None,
-                    opt_shapes: Mapping[str, Sequence[int]] | None = None,
-                    max_shapes: Mapping[str, Sequence[int]] | None = None,
-                    dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
-                    aot: bool = True,
-                    ) -> pathlib.Path:
+
+def export_tensorrt(
+    onnx_path: str | os.PathLike,
+    engine_path: str | os.PathLike,
+    *,
+    precision: str = "fp16",
+    workspace_gb: float = 4.0,
+    profile: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]] | None = None,
+    min_shapes: Mapping[str, Sequence[int]] | None = None,
+    opt_shapes: Mapping[str, Sequence[int]] | None = None,
+    max_shapes: Mapping[str, Sequence[int]] | None = None,
+    dim_ranges: Mapping[str, tuple[int, int, int]] | None = None,
+    aot: bool = True,
+) -> pathlib.Path:
     """Build a TensorRT engine from an ONNX file of :func:`kc.export_onnx`; MLP-value runs as a plugin.
 
     ``precision``: "fp16" (default), "bf16" or "fp32" (see :func:`build_plan`). The optimization
@@ -274,12 +294,12 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
     """
     onnx_path = pathlib.Path(onnx_path).expanduser()
     if not onnx_path.is_file():
-        raise ExportError(f"TensorRT export: the ONNX file {str(onnx_path)!r} does not exist; "
-                          f"write it with kc.export_onnx first.")
+        raise ExportError(
+            f"TensorRT export: the ONNX file {str(onnx_path)!r} does not exist; write it with kc.export_onnx first."
+        )
     engine_path = check_destination(engine_path, what="the TensorRT engine")
     summary = onnx_summary(onnx_path)
-    shapes = profile_shapes(summary.inputs, _merge_profile(profile, min_shapes, opt_shapes, max_shapes),
-                            dim_ranges)
+    shapes = profile_shapes(summary.inputs, _merge_profile(profile, min_shapes, opt_shapes, max_shapes), dim_ranges)
     trt = import_tensorrt()
     plan = build_plan(precision, onnx_float_dtype(onnx_path), hasattr(trt.BuilderFlag, "FP16"))
     register_mlp_value_plugin()
@@ -298,22 +318,33 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
         from .tensorrt_aot import mark_aot_nodes
 
         model = onnx.load(str(onnx_path), load_external_data=False)
-        log.info("%d of %d MLPValue nodes use the AOT plugin implementation", mark_aot_nodes(model),
-                 summary.num_custom_nodes)
-        parsed = parser.parse(model.SerializeToString(), str(onnx_path))   # path: for external data
+        log.info(
+            "%d of %d MLPValue nodes use the AOT plugin implementation", mark_aot_nodes(model), summary.num_custom_nodes
+        )
+        parsed = parser.parse(model.SerializeToString(), str(onnx_path))  # path: for external data
     else:
         parsed = parser.parse_from_file(str(onnx_path))
     if not parsed:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ExportError(f"TensorRT export, step 'parse': TensorRT's ONNX parser rejects "
-                          f"{str(onnx_path)!r}: {errors or 'no reason given'}")
+        raise ExportError(
+            f"TensorRT export, step 'parse': TensorRT's ONNX parser rejects "
+            f"{str(onnx_path)!r}: {errors or 'no reason given'}"
+        )
     num_plugins = _count_plugin_layers(trt, network)
-    log.info("parsed %s in %.1f s: %d layers, %d of %d MLPValue nodes as %s plugins",
-             onnx_path.name, time.perf_counter() - t0, network.num_layers, num_plugins,
-             summary.num_custom_nodes, PLUGIN_ID)
+    log.info(
+        "parsed %s in %.1f s: %d layers, %d of %d MLPValue nodes as %s plugins",
+        onnx_path.name,
+        time.perf_counter() - t0,
+        network.num_layers,
+        num_plugins,
+        summary.num_custom_nodes,
+        PLUGIN_ID,
+    )
     if num_plugins < summary.num_custom_nodes:
-        log.warning("%d MLPValue nodes were imported through their ONNX function instead of the "
-                    "plugin", summary.num_custom_nodes - num_plugins)
+        log.warning(
+            "%d MLPValue nodes were imported through their ONNX function instead of the plugin",
+            summary.num_custom_nodes - num_plugins,
+        )
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
@@ -331,20 +362,24 @@ def export_tensorrt(onnx_path: str | os.PathLike, engine_path: str | os.PathLike
             trt_profile.set_shape(name, *shapes[name])
     config.add_optimization_profile(trt_profile)
 
-    log.info("building the TensorRT engine (%s, %s typed, profile %s)", precision,
-             "strongly" if plan.strongly_typed else "weakly", shapes)
+    log.info(
+        "building the TensorRT engine (%s, %s typed, profile %s)",
+        precision,
+        "strongly" if plan.strongly_typed else "weakly",
+        shapes,
+    )
     t0 = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise ExportError(f"TensorRT export, step 'build': TensorRT could not build an engine from "
-                          f"{str(onnx_path)!r} (its log above, at WARNING/ERROR, says why).")
+        raise ExportError(
+            f"TensorRT export, step 'build': TensorRT could not build an engine from "
+            f"{str(onnx_path)!r} (its log above, at WARNING/ERROR, says why)."
+        )
     try:
         engine_path.write_bytes(bytes(serialized))
     except OSError as e:
-        raise ExportError(f"TensorRT export, step 'save': could not write {str(engine_path)!r}: "
-                          f"{e}") from e
-    log.info("wrote %s (%.1f MB) in %.1f s", engine_path, engine_path.stat().st_size / 1e6,
-             time.perf_counter() - t0)
+        raise ExportError(f"TensorRT export, step 'save': could not write {str(engine_path)!r}: {e}") from e
+    log.info("wrote %s (%.1f MB) in %.1f s", engine_path, engine_path.stat().st_size / 1e6, time.perf_counter() - t0)
     return engine_path
 
 
@@ -355,11 +390,12 @@ def _merge_profile(profile, min_shapes, opt_shapes, max_shapes):
     for name in sorted(names):
         parts = [(d or {}).get(name) for d in (min_shapes, opt_shapes, max_shapes)]
         if any(p is None for p in parts):
-            raise ExportError(f"TensorRT profile for input {name!r}: give all of min_shapes, "
-                              f"opt_shapes and max_shapes for it, or none.")
+            raise ExportError(
+                f"TensorRT profile for input {name!r}: give all of min_shapes, "
+                f"opt_shapes and max_shapes for it, or none."
+            )
         if name in merged:
-            raise ExportError(f"TensorRT profile for input {name!r} is given twice (profile and "
-                              f"min/opt/max_shapes).")
+            raise ExportError(f"TensorRT profile for input {name!r} is given twice (profile and min/opt/max_shapes).")
         merged[name] = tuple(parts)
     return merged
 
@@ -385,12 +421,19 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
     runtime = trt.Runtime(_trt_logger(trt))
     engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
-        raise EngineError(f"TensorRT could not load the engine {str(engine_path)!r} (built by another "
-                       f"TensorRT version or GPU?).")
-    dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-              trt.DataType.BF16: torch.bfloat16, trt.DataType.INT32: torch.int32,
-              trt.DataType.INT64: torch.int64, trt.DataType.BOOL: torch.bool,
-              trt.DataType.INT8: torch.int8, trt.DataType.UINT8: torch.uint8}
+        raise EngineError(
+            f"TensorRT could not load the engine {str(engine_path)!r} (built by another TensorRT version or GPU?)."
+        )
+    dtypes = {
+        trt.DataType.FLOAT: torch.float32,
+        trt.DataType.HALF: torch.float16,
+        trt.DataType.BF16: torch.bfloat16,
+        trt.DataType.INT32: torch.int32,
+        trt.DataType.INT64: torch.int64,
+        trt.DataType.BOOL: torch.bool,
+        trt.DataType.INT8: torch.int8,
+        trt.DataType.UINT8: torch.uint8,
+    }
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     in_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
     missing = sorted(set(in_names) - set(inputs))
@@ -411,7 +454,7 @@ def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dic
         outputs[name] = torch.empty(shape, dtype=dtypes[engine.get_tensor_dtype(name)], device="cuda")
         context.set_tensor_address(name, outputs[name].data_ptr())
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())         # the copies above ran there
+    stream.wait_stream(torch.cuda.current_stream())  # the copies above ran there
     with torch.cuda.stream(stream):
         if not context.execute_async_v3(stream.cuda_stream):
             raise EngineError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")

@@ -21,6 +21,7 @@ Example::
     M, d = plugin_extents((2, 8, 128, 64))           # 2048 rows of 64
     launch_grid(M, k.block_m)                         # (32, 1, 1)
 """
+
 import dataclasses
 import functools
 import logging
@@ -122,8 +123,9 @@ def plugin_kernel(dtype: str, head_dim: int, arch: str) -> PluginKernel:
     dtype = PLUGIN_DTYPES.get(dtype, dtype)
     candidates = kernel_variants([dtype], [head_dim], ["fwd"], arch)
     if not candidates:
-        raise KernelCompileError(f"the MLP-value kernels take head sizes 1..128 (fp32: 1..64); got d={head_dim} "
-                                 f"in {dtype}.")
+        raise KernelCompileError(
+            f"the MLP-value kernels take head sizes 1..128 (fp32: 1..64); got d={head_dim} in {dtype}."
+        )
     reasons = []
     for cand in candidates:
         variant = KernelVariant("fwd_plugin", dtype, head_dim, cand.block_m, None, cand.num_warps, cand.num_stages)
@@ -135,12 +137,22 @@ def plugin_kernel(dtype: str, head_dim: int, arch: str) -> PluginKernel:
         if k.record.spills:
             reasons.append(f"{variant.config}: spills {k.record.spills} B")
             continue
-        log.info("MLP-value AOT kernel for %s, d=%d, %s: %s (%d registers, %d B shared)", dtype, head_dim, arch,
-                 variant.config, k.record.registers, k.shared_bytes)
-        return PluginKernel(k.name, k.ptx, dtype, head_dim, arch, variant.block_m, k.num_warps, k.shared_bytes,
-                            variant.config)
-    raise KernelCompileError(f"no forward config of the MLP-value kernel builds for {arch} ({dtype}, d={head_dim}) "
-                             f"without spilling: {'; '.join(reasons)}")
+        log.info(
+            "MLP-value AOT kernel for %s, d=%d, %s: %s (%d registers, %d B shared)",
+            dtype,
+            head_dim,
+            arch,
+            variant.config,
+            k.record.registers,
+            k.shared_bytes,
+        )
+        return PluginKernel(
+            k.name, k.ptx, dtype, head_dim, arch, variant.block_m, k.num_warps, k.shared_bytes, variant.config
+        )
+    raise KernelCompileError(
+        f"no forward config of the MLP-value kernel builds for {arch} ({dtype}, d={head_dim}) "
+        f"without spilling: {'; '.join(reasons)}"
+    )
 
 
 def mark_aot_nodes(model: Any, max_d: int = 128) -> int:
@@ -166,8 +178,12 @@ def mark_aot_nodes(model: Any, max_d: int = 128) -> int:
             continue
         w = dims.get(node.input[1]) if len(node.input) > 1 else None
         if w is None or len(w) != 2 or not 1 <= w[0] <= max_d:
-            log.info("MLPValue node %r: head size %s, not taken by the AOT kernel (d <= %d); it stays JIT",
-                     node.name, w[0] if w else "unknown", max_d)
+            log.info(
+                "MLPValue node %r: head size %s, not taken by the AOT kernel (d <= %d); it stays JIT",
+                node.name,
+                w[0] if w else "unknown",
+                max_d,
+            )
             continue
         kept = [a for a in node.attribute if a.name != "aot"]
         del node.attribute[:]
@@ -209,8 +225,10 @@ def register_mlp_value_aot_impl(trt: Any, trtp: Any, plugin_id: str) -> None:
         M, d_expr = plugin_extents(dims)
         d = _constant(d_expr)
         if d is None:
-            raise OpInputError("kha::MLPValue AOT plugin: the head size (v's last dim) must be known when "
-                               "the engine is built; export the model with a fixed head size.")
+            raise OpInputError(
+                "kha::MLPValue AOT plugin: the head size (v's last dim) must be known when "
+                "the engine is built; export the model with a fixed head size."
+            )
         dtype = dtype_names.get(v.dtype)
         if dtype is None:
             raise OpInputError(f"kha::MLPValue AOT plugin: unsupported type {v.dtype}.")
@@ -223,4 +241,3 @@ def register_mlp_value_aot_impl(trt: Any, trtp: Any, plugin_id: str) -> None:
         return kernel.name.encode(), kernel.ptx.encode(), params, extra_args
 
     log.info("registered the AOT implementation of TensorRT plugin %s (Triton kernel, PTX)", plugin_id)
-

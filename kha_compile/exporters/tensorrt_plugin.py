@@ -14,6 +14,7 @@ need it.
 Note: this module avoids ``from __future__ import annotations``: ``tensorrt.plugin.register`` reads
 the annotations of the descriptor function as real classes.
 """
+
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,13 +41,14 @@ _INSTALL_HINT = (
     "CUDA 12: `pip install tensorrt` or `pip install tensorrt-cu12 --extra-index-url "
     "https://pypi.nvidia.com` (the packages on the public index fetch the real wheel from NVIDIA's "
     "index, which must be reachable), together with a CUDA build of PyTorch. The ONNX file from "
-    "kc.export_onnx runs anywhere with onnxruntime.")
-
+    "kc.export_onnx runs anywhere with onnxruntime."
+)
 
 
 # --------------------------------------------------------------------------------------------
 # The plugin's shape and type rules (plain functions)
 # --------------------------------------------------------------------------------------------
+
 
 def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tuple[int | None, ...]:
     """Output shape of ``kha::MLPValue`` from its four input shapes: that of ``v``.
@@ -59,8 +61,7 @@ def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tupl
         mlp_value_output_shape([(2, 4, None, 64), (64, 64), (64, 64), (64, 64)])   # (2, 4, None, 64)
     """
     if len(input_shapes) != 4:
-        raise OpInputError(f"kha::MLPValue takes 4 inputs (v, w_up, w_gate, w_down); got "
-                           f"{len(input_shapes)}.")
+        raise OpInputError(f"kha::MLPValue takes 4 inputs (v, w_up, w_gate, w_down); got {len(input_shapes)}.")
     v, *weights = (tuple(s) for s in input_shapes)
     if len(v) < 1:
         raise OpInputError("kha::MLPValue: v must have at least one dimension (..., d); got a scalar.")
@@ -70,8 +71,10 @@ def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tupl
             raise OpInputError(f"kha::MLPValue: {name} must be a (d, d) matrix; got shape {w}.")
         known = [x for x in (d, *w) if x is not None]
         if any(x != known[0] for x in known):
-            raise OpInputError(f"kha::MLPValue: {name} has shape {w} but v has shape {v}; each "
-                               f"weight must be ({d}, {d}) to match v's last dimension.")
+            raise OpInputError(
+                f"kha::MLPValue: {name} has shape {w} but v has shape {v}; each "
+                f"weight must be ({d}, {d}) to match v's last dimension."
+            )
     return v
 
 
@@ -97,6 +100,7 @@ def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
 # Backend check, plugin registration
 # --------------------------------------------------------------------------------------------
 
+
 def import_tensorrt() -> Any:
     """``tensorrt`` (with ``tensorrt.plugin``), after checking for it and for an NVIDIA GPU."""
     missing = []
@@ -111,12 +115,15 @@ def import_tensorrt() -> Any:
         missing.append(f"the `tensorrt` Python package, version >= 10.7{found} ({e})")
         trt = None
     if not torch.cuda.is_available():
-        missing.append(f"an NVIDIA GPU visible to PyTorch (torch {torch.__version__}, CUDA build: "
-                       f"{torch.version.cuda or 'none'}; torch.cuda.is_available() is False)")
+        missing.append(
+            f"an NVIDIA GPU visible to PyTorch (torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda or 'none'}; torch.cuda.is_available() is False)"
+        )
     if missing:
         raise BackendUnavailableError(
             "TensorRT export and inference need " + " and ".join(missing) + ", which this machine "
-            "lacks. " + _INSTALL_HINT)
+            "lacks. " + _INSTALL_HINT
+        )
     return trt
 
 
@@ -153,8 +160,7 @@ def register_mlp_value_plugin() -> None:
     trt = import_tensorrt()
     import tensorrt.plugin as trtp
 
-    dtype_names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16",
-                   trt.DataType.BF16: "bfloat16"}
+    dtype_names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16"}
     kernel = _mlp_value_kernel()
 
     def known_dims(desc: Any) -> tuple[int | None, ...]:
@@ -164,33 +170,37 @@ def register_mlp_value_plugin() -> None:
         return tuple(dims)
 
     @trtp.register(PLUGIN_ID)
-    def mlp_value_desc(v: trtp.TensorDesc, w_up: trtp.TensorDesc, w_gate: trtp.TensorDesc,
-                       w_down: trtp.TensorDesc) -> trtp.TensorDesc:
+    def mlp_value_desc(
+        v: trtp.TensorDesc, w_up: trtp.TensorDesc, w_gate: trtp.TensorDesc, w_down: trtp.TensorDesc
+    ) -> trtp.TensorDesc:
         descs = (v, w_up, w_gate, w_down)
         mlp_value_output_shape([known_dims(t) for t in descs])
         mlp_value_output_dtype([dtype_names.get(t.dtype, str(t.dtype)) for t in descs])
-        return v.like()                                     # (..., d), v's type
+        return v.like()  # (..., d), v's type
 
     @trtp.autotune(PLUGIN_ID)
     def mlp_value_autotune(v, w_up, w_gate, w_down, outputs):
-        types = "FP32|FP16|BF16"                            # all five I/O share one type
+        types = "FP32|FP16|BF16"  # all five I/O share one type
         return [trtp.AutoTuneCombination(", ".join([types] * 5), "LINEAR")]
 
     @trtp.impl(PLUGIN_ID)
     def mlp_value_impl(v, w_up, w_gate, w_down, outputs, stream) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            tv = torch.as_tensor(v, device="cuda")          # (..., d)
+            tv = torch.as_tensor(v, device="cuda")  # (..., d)
             weights = [torch.as_tensor(w, device="cuda") for w in (w_up, w_gate, w_down)]
             out = torch.as_tensor(outputs[0], device="cuda")
             d = tv.shape[-1]
-            y = kernel(tv.reshape(-1, d), *weights)          # (M, d)
+            y = kernel(tv.reshape(-1, d), *weights)  # (M, d)
             out.copy_(y.reshape(out.shape))
 
     _PLUGIN_REGISTERED = True
     log.info("registered TensorRT plugin %s (JIT, kernel %s)", PLUGIN_ID, kernel.__name__)
     if not hasattr(trtp, "aot_impl"):
-        log.info("this TensorRT (%s) has no tensorrt.plugin.aot_impl (>= 10.10): %s runs JIT only",
-                 getattr(trt, "__version__", "?"), PLUGIN_ID)
+        log.info(
+            "this TensorRT (%s) has no tensorrt.plugin.aot_impl (>= 10.10): %s runs JIT only",
+            getattr(trt, "__version__", "?"),
+            PLUGIN_ID,
+        )
         return
     import importlib.util
 
@@ -218,8 +228,7 @@ def _mlp_value_kernel() -> Callable:
     except ImportError:
         available = False
     if not available:
-        log.info("the Triton MLP-value kernel is not available: the TensorRT plugin computes "
-                 "MLP-value with torch")
+        log.info("the Triton MLP-value kernel is not available: the TensorRT plugin computes MLP-value with torch")
         return mlp_value_reference
 
     def mlp_value_kernel(v, w_up, w_gate, w_down):
@@ -228,5 +237,3 @@ def _mlp_value_kernel() -> Callable:
         return mlp_value_reference(v, w_up, w_gate, w_down)
 
     return mlp_value_kernel
-
-

@@ -1,4 +1,5 @@
 """Fused kernels: the Triton MLP-value kernel (triton is imported only when a kernel is first used)."""
+
 from .mlp_value import (
     MAX_D,
     mlp_value_triton,

@@ -10,6 +10,7 @@ are themselves ``@triton.jit`` functions, decorated when triton is first importe
 came before ``TRITON_INTERPRET=1`` was set they are compiled-mode functions that the interpreter
 cannot call ("Cannot call @triton.jit'd outside of the scope of a kernel").
 """
+
 import triton
 import triton.language as tl
 
@@ -56,10 +57,20 @@ def _round(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _fwd(
-    v_ptr, wu_ptr, wg_ptr, wd_ptr, y_ptr,
-    M, stride_vm, stride_ym, M_BUCKET,
-    d: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    v_ptr,
+    wu_ptr,
+    wg_ptr,
+    wd_ptr,
+    y_ptr,
+    M,
+    stride_vm,
+    stride_ym,
+    M_BUCKET,
+    d: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -84,11 +95,26 @@ def _fwd(
 
 @triton.jit
 def _bwd(
-    v_ptr, go_ptr, wu_ptr, wg_ptr, wd_ptr, gv_ptr, ws_ptr,
-    M, stride_vm, stride_gm, stride_gvm, M_BUCKET,
-    d: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPUTE_DV: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    v_ptr,
+    go_ptr,
+    wu_ptr,
+    wg_ptr,
+    wd_ptr,
+    gv_ptr,
+    ws_ptr,
+    M,
+    stride_vm,
+    stride_gm,
+    stride_gvm,
+    M_BUCKET,
+    d: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE_DV: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # program (pid_n, pid_p): column block pid_n of the hidden axis (BLOCK_N wide; the whole
     # axis when COMPUTE_DV), row group pid_p of P, walking row tiles pid_p, pid_p + P, ...
@@ -139,8 +165,16 @@ def _bwd(
 
 @triton.jit
 def _fwd_plugin(
-    v_ptr, wu_ptr, wg_ptr, wd_ptr, M, y_ptr,
-    d: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    v_ptr,
+    wu_ptr,
+    wg_ptr,
+    wd_ptr,
+    M,
+    y_ptr,
+    d: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # The forward in TensorRT's AOT-plugin calling convention: input pointers, then the scalar
     # arguments, then output pointers. Rows are contiguous (stride d, TensorRT's LINEAR format).

@@ -15,6 +15,7 @@ Example::
 
 :func:`compile_kernel` returns one variant's PTX and launch facts (the TensorRT AOT plugin uses it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,16 @@ KERNELS = ("fwd", "bwd_fused", "bwd_dv", "bwd_dw")  # the launches of the runtim
 # Largest dynamic shared memory one block may opt into, per compute capability (CUDA programming
 # guide, "Technical Specifications per Compute Capability").
 SHARED_LIMITS: dict[int, int] = {
-    70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
-    90: 227 * 1024, 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024,
+    70: 96 * 1024,
+    75: 64 * 1024,
+    80: 163 * 1024,
+    86: 99 * 1024,
+    87: 163 * 1024,
+    89: 99 * 1024,
+    90: 227 * 1024,
+    100: 227 * 1024,
+    103: 227 * 1024,
+    120: 99 * 1024,
 }
 MAX_REGISTERS = 255  # per thread; ptxas spills to local memory beyond
 _TRITON_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
@@ -121,14 +130,25 @@ class KernelVariant:
             return ["v_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "M", "y_ptr"]
         if self.kernel == "fwd":
             return ["v_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "y_ptr", "M", "stride_vm", "stride_ym", "M_BUCKET"]
-        return ["v_ptr", "go_ptr", "wu_ptr", "wg_ptr", "wd_ptr", "gv_ptr", "ws_ptr",
-                "M", "stride_vm", "stride_gm", "stride_gvm", "M_BUCKET"]
+        return [
+            "v_ptr",
+            "go_ptr",
+            "wu_ptr",
+            "wg_ptr",
+            "wd_ptr",
+            "gv_ptr",
+            "ws_ptr",
+            "M",
+            "stride_vm",
+            "stride_gm",
+            "stride_gvm",
+            "M_BUCKET",
+        ]
 
     def signature(self) -> dict[str, str]:
         """Triton signature: argument name -> type ("*bf16", "i32", "constexpr")."""
         t = _TRITON_DTYPES[self.dtype]
-        sig = {n: ("*fp32" if n == "ws_ptr" else f"*{t}") if n.endswith("_ptr") else "i32"
-               for n in self.arg_names()}
+        sig = {n: ("*fp32" if n == "ws_ptr" else f"*{t}") if n.endswith("_ptr") else "i32" for n in self.arg_names()}
         for n in self.constexprs():
             sig[n] = "constexpr"
         return sig
@@ -150,8 +170,9 @@ class KernelVariant:
     def attrs(self) -> dict[tuple[int, ...], list[list[Any]]]:
         """Divisibility hints the runtime would specialize on: 16-aligned pointers, strides of d % 16 == 0."""
         names = self.arg_names()
-        aligned = [i for i, n in enumerate(names)
-                   if n.endswith("_ptr") or (n.startswith("stride") and self.head_dim % 16 == 0)]
+        aligned = [
+            i for i, n in enumerate(names) if n.endswith("_ptr") or (n.startswith("stride") and self.head_dim % 16 == 0)
+        ]
         return {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
@@ -181,12 +202,17 @@ def parse_arch(arch: str | int) -> int:
     if not m:
         raise KernelCompileError(
             f"unknown GPU architecture {arch!r}: give it as sm_<compute capability>, e.g. sm_80 (A100) "
-            "or sm_90 (H100/H200).")
+            "or sm_90 (H100/H200)."
+        )
     return int(m.group(1))
 
 
-def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = HEAD_DIMS,
-                    kernels: Iterable[str] = KERNELS, arch: str | int | None = None) -> list[KernelVariant]:
+def kernel_variants(
+    dtypes: Iterable[str] = DTYPES,
+    head_dims: Iterable[int] = HEAD_DIMS,
+    kernels: Iterable[str] = KERNELS,
+    arch: str | int | None = None,
+) -> list[KernelVariant]:
     """Every variant the op launches for these dtypes and head sizes (each autotune config it ships).
 
     With ``arch``, the configs the runtime uses on that architecture; without, all candidates.
@@ -218,21 +244,25 @@ def kernel_variants(dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = H
             if not triton_supports(d, tdtype):
                 continue
             D = padded_d(d)
-            launches = [("fwd", "fwd")] + ([("bwd_fused", "fused")] if D <= 64 else
-                                           [("bwd_dv", "dv"), ("bwd_dw", "dw")])
+            launches = [("fwd", "fwd")] + (
+                [("bwd_fused", "fused")] if D <= 64 else [("bwd_dv", "dv"), ("bwd_dw", "dw")]
+            )
             for kernel, kind in launches:
                 direction = "forward" if kind == "fwd" else "backward"
                 if kernel not in kernels or not launch_supported(direction, d, tdtype, cc):
                     continue
                 for bm, bn, warps, stages in configs_for(kind, config_class(kind, D, tdtype), D, cc):
-                    out.append(KernelVariant(kernel, dtype, d, bm, bn if kernel == "bwd_dw" else None,
-                                             warps, stages))
+                    out.append(KernelVariant(kernel, dtype, d, bm, bn if kernel == "bwd_dw" else None, warps, stages))
     return out
 
 
-def compile_variants(archs: list[str], *, dtypes: Iterable[str] = DTYPES,
-                     head_dims: Iterable[int] = HEAD_DIMS,
-                     kernels: Iterable[str] = KERNELS) -> list[KernelRecord]:
+def compile_variants(
+    archs: list[str],
+    *,
+    dtypes: Iterable[str] = DTYPES,
+    head_dims: Iterable[int] = HEAD_DIMS,
+    kernels: Iterable[str] = KERNELS,
+) -> list[KernelRecord]:
     """Compile every kernel variant for each architecture; one :class:`KernelRecord` per variant and arch.
 
     What the op does not run on the kernels (d > 128, fp32 at d > 64, a backward with no config
@@ -261,19 +291,24 @@ def compile_variants(archs: list[str], *, dtypes: Iterable[str] = DTYPES,
             for d in head_dims:
                 for direction, kernel in (("forward", "fwd"), ("backward", "bwd")):
                     if not triton_supports(d, tdtype):
-                        why = (f"head dim {d}: kha::mlp_value runs the composite formula (cuBLAS) for {dtype} "
-                               f"at this size; the Triton kernels take d <= 128 (fp32: d <= 64)")
+                        why = (
+                            f"head dim {d}: kha::mlp_value runs the composite formula (cuBLAS) for {dtype} "
+                            f"at this size; the Triton kernels take d <= 128 (fp32: d <= 64)"
+                        )
                     elif not launch_supported(direction, d, tdtype, cc):
-                        why = (f"no {direction} config fits {arch} at head dim {d} ({dtype}); kha::mlp_value "
-                               f"runs the composite formula (cuBLAS) there")
+                        why = (
+                            f"no {direction} config fits {arch} at head dim {d} ({dtype}); kha::mlp_value "
+                            f"runs the composite formula (cuBLAS) there"
+                        )
                     else:
                         continue
                     records.append(KernelRecord(kernel, arch, dtype, d, {}, ok=False, reason=why))
     for i, (arch, v) in enumerate(plan, 1):
         rec = _compile(v, arch)[0]
         records.append(rec)
-        logger.info("[%d/%d] %s %s %s d=%d %s: %s", i, len(plan), arch, v.kernel, v.dtype, v.head_dim,
-                    v.config, _summary(rec))
+        logger.info(
+            "[%d/%d] %s %s %s d=%d %s: %s", i, len(plan), arch, v.kernel, v.dtype, v.head_dim, v.config, _summary(rec)
+        )
     return records
 
 
@@ -289,7 +324,8 @@ def compile_kernel(variant: KernelVariant, arch: str) -> CompiledKernel:
     if compiled is None or not rec.ok:
         raise KernelCompileError(
             f"the {variant.kernel} kernel ({variant.dtype}, d={variant.head_dim}, {variant.config}) does not "
-            f"build for {arch}: {rec.reason}")
+            f"build for {arch}: {rec.reason}"
+        )
     return compiled
 
 
@@ -316,8 +352,7 @@ def _compile(v: KernelVariant, arch: str) -> tuple[KernelRecord, CompiledKernel 
         src = ASTSource(fn=fn, signature=v.signature(), constexprs=v.constexprs(), attrs=v.attrs())
         target = GPUTarget("cuda", cc, 32)
         with contextlib.redirect_stdout(io.StringIO()) as out:  # triton prints ptxas failures
-            k = triton.compile(src, target=target,
-                               options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+            k = triton.compile(src, target=target, options={"num_warps": v.num_warps, "num_stages": v.num_stages})
     except Exception as e:
         rec.seconds = time.perf_counter() - t0
         first = str(e).strip().splitlines()
@@ -342,8 +377,9 @@ def _compile(v: KernelVariant, arch: str) -> tuple[KernelRecord, CompiledKernel 
         problems.append(f"needs {k.metadata.global_scratch_size} B of global scratch")
     rec.ok = not problems
     rec.reason = "; ".join(problems)
-    compiled = CompiledKernel(v, arch, k.metadata.name, ptx, cubin, int(k.metadata.num_warps),
-                              rec.shared_bytes, tuple(v.arg_names()), rec)
+    compiled = CompiledKernel(
+        v, arch, k.metadata.name, ptx, cubin, int(k.metadata.num_warps), rec.shared_bytes, tuple(v.arg_names()), rec
+    )
     return rec, compiled
 
 
@@ -405,8 +441,9 @@ def _resource_usage(cubin: bytes, name: str) -> tuple[int, int]:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        out = subprocess.run([_nvidia_tool("cuobjdump"), "--dump-resource-usage", path],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [_nvidia_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
     return parse_resource_usage(out, name)
 
 
@@ -430,8 +467,20 @@ def _spill_bytes(ptx: str, cc: int) -> int:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([_nvidia_tool("ptxas", cc), "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
-                              src, "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [
+                _nvidia_tool("ptxas", cc),
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name={arch}",
+                src,
+                "-o",
+                os.path.join(tmp, "k.o"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return parse_spill_stores(res.stderr + res.stdout)
 
 

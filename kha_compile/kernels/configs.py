@@ -35,16 +35,21 @@ MIN_DOT = 16  # tl.dot on NVIDIA needs K >= 16 for 16-bit operands; keep every b
 # precision, whose register tiles only fit at small BLOCK_M.
 CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
     ("fwd", "16bit"): [(64, None, 4, 3), (128, None, 8, 3), (256, None, 8, 2), (64, None, 4, 4), (128, None, 8, 4)],
-    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 8, 3), (128, None, 8, 1), (128, None, 8, 2),
-                            (64, None, 8, 2)],
+    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 8, 3), (128, None, 8, 1), (128, None, 8, 2), (64, None, 8, 2)],
     ("fwd", "fp32"): [(16, None, 8, 1), (16, None, 8, 2), (32, None, 8, 1)],
-    ("fused", "16bit"): [(32, None, 4, 3), (32, None, 8, 2), (64, None, 8, 2), (64, None, 8, 3),
-                         (128, None, 8, 2), (128, None, 8, 3), (16, None, 4, 2)],
+    ("fused", "16bit"): [
+        (32, None, 4, 3),
+        (32, None, 8, 2),
+        (64, None, 8, 2),
+        (64, None, 8, 3),
+        (128, None, 8, 2),
+        (128, None, 8, 3),
+        (16, None, 4, 2),
+    ],
     ("fused", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
     ("dv", "16bit"): [(32, None, 4, 2), (32, None, 8, 2), (32, None, 8, 3), (32, None, 8, 1)],
     ("dv", "fp32"): [(16, None, 8, 1), (16, None, 8, 2)],
-    ("dw", "16bit"): [(32, 32, 4, 2), (32, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2),
-                      (64, 32, 8, 3)],
+    ("dw", "16bit"): [(32, 32, 4, 2), (32, 32, 8, 3), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 32, 8, 3)],
     ("dw", "fp32"): [(16, 32, 8, 1), (16, 32, 8, 2), (32, 32, 8, 1), (32, 32, 8, 2)],
 }
 # Which of them each architecture class uses, by padded head size D: (kind, class, D) -> configs
@@ -53,8 +58,13 @@ CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
 LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, int]]]] = {
     "sm_80": {
         ("fwd", "16bit-d128", 128): {(64, None, 4, 2), (128, None, 8, 1), (128, None, 8, 2)},
-        ("fused", "16bit", 64): {(32, None, 4, 3), (64, None, 8, 2), (64, None, 8, 3), (128, None, 8, 2),
-                                 (128, None, 8, 3)},
+        ("fused", "16bit", 64): {
+            (32, None, 4, 3),
+            (64, None, 8, 2),
+            (64, None, 8, 3),
+            (128, None, 8, 2),
+            (128, None, 8, 3),
+        },
         # grad_v keeps W_up, W_gate, W_down^T and both transposes on chip: 5 x 32 KiB plus the tiles
         # is more than 163 KiB whatever the blocks, so below sm_90 the op's backward at d > 64 runs
         # the composite (cuBLAS) instead (see launch_supported).
@@ -68,7 +78,7 @@ LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, i
 
 
 def arch_class(cc: int | None) -> str | None:
-    """"sm_80" below compute capability 9.0, "sm_90" from it, None when unknown (interpreter)."""
+    """ "sm_80" below compute capability 9.0, "sm_90" from it, None when unknown (interpreter)."""
     if cc is None:
         return None
     return "sm_90" if cc >= 90 else "sm_80"

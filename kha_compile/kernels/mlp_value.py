@@ -69,6 +69,7 @@ done by hand on the fp32 bits (round to nearest even). It also accepts ``tl.dot`
 which the GPU rejects: every block here is a power of two >= 16 (checked on the host). GPU code
 paths are unaffected by all of this.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -174,8 +175,10 @@ def is_triton_build_error(e: BaseException) -> bool:
     if triton is None:
         return False
     kinds: list[type] = []
-    for mod, names in (("triton.compiler.errors", ("CompilationError",)),
-                       ("triton.runtime.errors", ("OutOfResources", "PTXASError"))):
+    for mod, names in (
+        ("triton.compiler.errors", ("CompilationError",)),
+        ("triton.runtime.errors", ("OutOfResources", "PTXASError")),
+    ):
         try:
             module = __import__(mod, fromlist=list(names))
         except ImportError:
@@ -190,9 +193,7 @@ def _require_backend(device: torch.device) -> None:
     if _interpret_mode():
         return
     if device.type != "cuda":
-        raise BackendUnavailableError(
-            f"the tensors are on {device}, and TRITON_INTERPRET is not set; " + _INSTALL_HINT
-        )
+        raise BackendUnavailableError(f"the tensors are on {device}, and TRITON_INTERPRET is not set; " + _INSTALL_HINT)
     if not torch.cuda.is_available():
         raise BackendUnavailableError("no CUDA GPU is available; " + _INSTALL_HINT)
 
@@ -310,8 +311,7 @@ def _check(name: str, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor, g
         want = tuple(v.shape) if wname == "grad_out" else (d, d)
         if tuple(w.shape) != want:
             raise OpInputError(
-                f"{name}: {wname} has shape {tuple(w.shape)}, but v has shape {tuple(v.shape)}; "
-                f"{wname} must be {want}."
+                f"{name}: {wname} has shape {tuple(w.shape)}, but v has shape {tuple(v.shape)}; {wname} must be {want}."
             )
         if w.dtype != v.dtype:
             raise OpInputError(f"{name}: {wname} is {w.dtype} but v is {v.dtype}; cast them to one dtype.")
@@ -325,8 +325,14 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _launch(
-    ks: _KernelSet, kind: str, cls: str, grid: Any, args: tuple, meta: dict,
-    block_m: int | None, block_n: int | None = None,
+    ks: _KernelSet,
+    kind: str,
+    cls: str,
+    grid: Any,
+    args: tuple,
+    meta: dict,
+    block_m: int | None,
+    block_n: int | None = None,
 ) -> None:
     """Launch the autotuned kernel, or the plain one with fixed blocks (explicit sizes or no autotuning).
 
@@ -347,7 +353,12 @@ def _launch(
 
 
 def mlp_value_triton_forward(
-    v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor, *, block_m: int | None = None,
+    v: Tensor,
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
+    *,
+    block_m: int | None = None,
 ) -> Tensor:
     """Forward only, no autograd: ``2 * ((v @ w_up) * sigmoid(v @ w_gate)) @ w_down`` for v (M, d).
 
@@ -381,8 +392,14 @@ def mlp_value_triton_forward(
 
 
 def mlp_value_triton_backward(
-    grad_out: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
-    *, block_m: int | None = None, block_n: int | None = None,
+    grad_out: Tensor,
+    v: Tensor,
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (grad_v, grad_w_up, grad_w_gate, grad_w_down) of the forward for v (M, d).
 
@@ -416,13 +433,24 @@ def mlp_value_triton_backward(
     P = max(1, min(_cdiv(M, MIN_DOT), max_p if fused else max_p // 2))
     grad_v = torch.empty_like(v)
     ws = torch.empty((P, 3, d, d), dtype=torch.float32, device=v.device)
-    args = (v, grad_out, w_up, w_gate, w_down, grad_v, ws, M, v.stride(0), grad_out.stride(0),
-            grad_v.stride(0), _m_bucket(M))
+    args = (
+        v,
+        grad_out,
+        w_up,
+        w_gate,
+        w_down,
+        grad_v,
+        ws,
+        M,
+        v.stride(0),
+        grad_out.stride(0),
+        grad_v.stride(0),
+        _m_bucket(M),
+    )
 
     with _on_device(v.device):
         if fused:
-            _launch(ks, "fused", cls, lambda m: (1, P), args, dict(meta, COMPUTE_DV=True, COMPUTE_DW=True),
-                    block_m, D)
+            _launch(ks, "fused", cls, lambda m: (1, P), args, dict(meta, COMPUTE_DV=True, COMPUTE_DW=True), block_m, D)
         else:
             # 1) grad_v per row tile (the whole hidden axis in each program); 2) weight-gradient blocks.
             # (fp32 at D = 128 under TF32 would stage W_up, W_gate and W_down^T in shared memory twice
@@ -431,8 +459,16 @@ def mlp_value_triton_backward(
             if v.dtype == torch.float32 and D >= 128:
                 dv_meta["PRECISION"] = "ieee"
             _launch(ks, "dv", cls, lambda m: (1, min(_cdiv(M, m["BLOCK_M"]), max_p)), args, dv_meta, block_m, D)
-            _launch(ks, "dw", cls, lambda m: (D // m["BLOCK_N"], P),
-                    args, dict(meta, COMPUTE_DV=False, COMPUTE_DW=True), block_m, block_n)
+            _launch(
+                ks,
+                "dw",
+                cls,
+                lambda m: (D // m["BLOCK_N"], P),
+                args,
+                dict(meta, COMPUTE_DV=False, COMPUTE_DW=True),
+                block_m,
+                block_n,
+            )
     dw = ws.sum(0).to(v.dtype)  # (3, d, d): the reduction over row groups
     return grad_v, dw[0], dw[1], dw[2]
 

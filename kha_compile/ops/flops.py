@@ -20,6 +20,7 @@ Example::
         torch.ops.kha.mlp_value(v, w_up, w_gate, w_down)
     fc.get_total_flops() == mlp_value_flops(v.shape)           # 6 * M * d * d
 """
+
 from __future__ import annotations
 
 import math
@@ -70,6 +71,5 @@ def _mlp_value_flop(v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: A
 
 
 @register_flop_formula(torch.ops.kha.mlp_value_backward)
-def _mlp_value_backward_flop(grad_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None,
-                             **kwargs: Any) -> int:
+def _mlp_value_backward_flop(grad_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return mlp_value_backward_flops(v_shape)

@@ -10,6 +10,7 @@ Example::
     y = torch.ops.kha.mlp_value(v, w_up, w_gate, w_down)        # v: (..., d), weights (d, d)
     gv, gu, gg, gd = torch.ops.kha.mlp_value_backward(grad_y, v, w_up, w_gate, w_down)
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,9 +43,7 @@ def check_mlp_value_inputs(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tens
                 f"each weight must be ({d}, {d}) to match v's last dimension."
             )
         if w.dtype != v.dtype:
-            raise OpInputError(
-                f"kha::mlp_value: {name} is {w.dtype} but v is {v.dtype}; cast them to one dtype."
-            )
+            raise OpInputError(f"kha::mlp_value: {name} is {w.dtype} but v is {v.dtype}; cast them to one dtype.")
         if w.device != v.device:
             raise OpInputError(
                 f"kha::mlp_value: {name} is on {w.device} but v is on {v.device}; move them to one device."
@@ -75,7 +74,11 @@ def _(v, w_up, w_gate, w_down):
 
 
 def mlp_value_backward_reference(
-    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+    grad: Tensor,
+    v: Tensor,
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (v, w_up, w_gate, w_down) of ``mlp_value`` in plain torch ops (differentiable).
 
@@ -96,7 +99,11 @@ def mlp_value_backward_reference(
 
 @torch.library.custom_op("kha::mlp_value_backward", mutates_args=())
 def mlp_value_backward(
-    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+    grad: Tensor,
+    v: Tensor,
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (grad_v, grad_w_up, grad_w_gate, grad_w_down) of ``kha::mlp_value`` for output grad ``grad``.
 
@@ -158,7 +165,11 @@ def _run_triton(kind: str, v: Tensor, launch):
         logger.warning(
             "kha::mlp_value: the Triton %s kernel for d=%d, %s could not be built here (%s: %s); "
             "using the unfused composite for it from now on.",
-            kind, v.shape[-1], v.dtype, type(e).__name__, e,
+            kind,
+            v.shape[-1],
+            v.dtype,
+            type(e).__name__,
+            e,
         )
         return None
 
@@ -178,15 +189,22 @@ def _mlp_value_cuda(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> 
 
 
 def _mlp_value_backward_cuda(
-    grad: Tensor, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+    grad: Tensor,
+    v: Tensor,
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward_inputs(grad, v, w_up, w_gate, w_down)
     if _use_triton("backward", v):
         from ..kernels import mlp_value as kernels
 
         d = v.shape[-1]
-        out = _run_triton("backward", v, lambda: kernels.mlp_value_triton_backward(
-            grad.reshape(-1, d), v.reshape(-1, d), w_up, w_gate, w_down))
+        out = _run_triton(
+            "backward",
+            v,
+            lambda: kernels.mlp_value_triton_backward(grad.reshape(-1, d), v.reshape(-1, d), w_up, w_gate, w_down),
+        )
         if out is not None:
             gv, gu, gg, gd = out
             return gv.reshape(v.shape), gu, gg, gd

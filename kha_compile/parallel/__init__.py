@@ -10,6 +10,7 @@ Example::
     kc.parallelize(model, mesh["tp"], plan)
     fully_shard(model, mesh=mesh["dp"])
 """
+
 from __future__ import annotations
 
 import sys

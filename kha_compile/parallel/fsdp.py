@@ -10,6 +10,7 @@ Example::
     from kha_compile.parallel.fsdp import sharded_parts
     sharded_parts(model)            # [] for a plain model, e.g. ['FSDP module model.layers.0'] after fully_shard
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,15 +65,19 @@ def refuse_sharded(model: nn.Module, verb: str) -> None:
     if not parts:
         return
     if verb == "fold":
-        todo = ("Gather first: call kc.save_pretrained(model, d) on every rank (rank 0 writes the KHA weights), "
-                "then in one process load the trained base weights into a plain model, kc.load_pretrained(plain, d) "
-                "and kc.fold(plain); or gather the full state dict with torch.distributed.checkpoint.state_dict."
-                "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an unsharded "
-                "model that carries KHA (kc.apply), and fold that one. Nothing was changed.")
+        todo = (
+            "Gather first: call kc.save_pretrained(model, d) on every rank (rank 0 writes the KHA weights), "
+            "then in one process load the trained base weights into a plain model, kc.load_pretrained(plain, d) "
+            "and kc.fold(plain); or gather the full state dict with torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an unsharded "
+            "model that carries KHA (kc.apply), and fold that one. Nothing was changed."
+        )
     else:
-        todo = (f"kc.{verb} must run on the unsharded model: call kc.apply(model, ...) first, then "
-                "kc.parallelize(model, mesh, plan) for tensor parallel and/or fully_shard(...) for FSDP2. "
-                "The model was not touched and still trains as it is.")
+        todo = (
+            f"kc.{verb} must run on the unsharded model: call kc.apply(model, ...) first, then "
+            "kc.parallelize(model, mesh, plan) for tensor parallel and/or fully_shard(...) for FSDP2. "
+            "The model was not touched and still trains as it is."
+        )
     raise ShardedModelError(f"{type(model).__name__} is already sharded ({', '.join(parts)}). {todo}")
 
 

@@ -16,6 +16,7 @@ Example::
     w = [distribute_tensor(x, mesh, [Replicate()]) for x in (up, gate, down)]
     y = torch.ops.kha.mlp_value(v, *w)          # DTensor, Shard(0)
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,12 @@ def register_mlp_value_sharding() -> bool:
     def _backward_rule(grad: Any, v: Any, w_up: Any, w_gate: Any, w_down: Any) -> _Rules:
         rules: _Rules = [([Replicate()] * 4, [Replicate()] * 5)]
         for dim in range(v.ndim - 1):
-            rules.append(([Shard(dim), Partial(), Partial(), Partial()],
-                          [Shard(dim), Shard(dim), Replicate(), Replicate(), Replicate()]))
+            rules.append(
+                (
+                    [Shard(dim), Partial(), Partial(), Partial()],
+                    [Shard(dim), Shard(dim), Replicate(), Replicate(), Replicate()],
+                )
+            )
         return rules
 
     _REGISTERED = True

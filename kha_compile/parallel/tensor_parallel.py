@@ -29,6 +29,7 @@ Example::
     plan |= {f"model.layers.{i}.self_attn.o_proj": RowwiseParallel() for i in range(n)}
     kc.parallelize(model, mesh, plan)
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,9 +47,9 @@ from ..modules import (
     KHAMLPValue,
     KHAMultiheadAttention,
     KHAProjection,
-    _apply_segments,
-    _pieces,
-    _plan,
+    apply_segments,
+    layout_plan,
+    segment_pieces,
 )
 from ..passes.insert import kha_modules
 from .fsdp import is_dtensor
@@ -93,19 +94,21 @@ class TensorParallelKHA:
         from torch.distributed.tensor import DTensor
 
         if not isinstance(y, DTensor):  # pragma: no cover - ColwiseParallel always gives a DTensor here
-            raise TensorParallelError("a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel.")
+            raise TensorParallelError(
+                "a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel."
+            )
         local = y.to_local()
         slots, mode, stride = self._kha_tp_layout
         fns = {s.role: self._local_fn(s.role) for s in slots}
         width = local.shape[-1]
         if mode == "blocks":  # (…, H*Dh) blocks per role
             bounds: list[Any] = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
-            out = _apply_segments(local, width, _pieces(bounds, width))
+            out = apply_segments(local, width, segment_pieces(bounds, width))
         else:  # interleaved (…, H, S)
             lead = local.shape[:-1]
             y3 = local.reshape(*lead, width // stride, stride)  # (…, H, S)
             bounds = [(s.offset, s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
-            out = _apply_segments(y3, stride, _pieces(bounds, stride)).reshape(*lead, width)
+            out = apply_segments(y3, stride, segment_pieces(bounds, stride)).reshape(*lead, width)
         return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False, shape=y.shape, stride=y.stride())
 
     def _local_fn(self, role: str) -> Callable[[Tensor], Tensor]:
@@ -152,21 +155,28 @@ def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[
         whole = [h for h, row in enumerate(held) if all(p is not None for p in row)]
         split = [h for h, row in enumerate(held) if any(p is not None for p in row) and h not in whole]
         if split or not whole:
-            why = (f"head {split[0]} of role {s.role!r} is split across ranks" if split else
-                   f"this rank holds no {s.role!r} head")
+            why = (
+                f"head {split[0]} of role {s.role!r} is split across ranks"
+                if split
+                else f"this rank holds no {s.role!r} head"
+            )
             raise TensorParallelError(
                 f"{name}: {why} ({s.num_heads} {s.role} heads of size {s.head_dim}, {len(local)} of "
                 f"{s.num_heads * s.head_dim if s.head_stride == s.head_dim else 'its'} features here). KHA's "
                 "transforms act on whole head vectors, so every TP rank must hold whole heads of every role: use "
                 "a TP degree that divides the head count of every role (GQA/MQA: the number of kv heads), or "
-                "leave this attention's projections out of the plan (replicated).")
+                "leave this attention's projections out of the plan (replicated)."
+            )
         rows = [[int(p) for p in held[h] if p is not None] for h in whole]
         first = [r[0] for r in rows]
         stride = first[1] - first[0] if len(first) > 1 else s.head_dim
-        if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or \
-                any(f != first[0] + i * stride for i, f in enumerate(first)):
-            raise TensorParallelError(f"{name}: the local features of role {s.role!r} do not form an affine head layout "
-                           "after sharding; kha_compile cannot place its transforms on this shard.")
+        if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or any(
+            f != first[0] + i * stride for i, f in enumerate(first)
+        ):
+            raise TensorParallelError(
+                f"{name}: the local features of role {s.role!r} do not form an affine head layout "
+                "after sharding; kha_compile cannot place its transforms on this shard."
+            )
         out.append(HeadSlot(s.role, first[0], len(whole), s.head_dim, stride))
     return tuple(out)
 
@@ -175,8 +185,7 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any,
-                **kwargs: Any) -> nn.Module:
+def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any, **kwargs: Any) -> nn.Module:
     """``parallelize_module`` for a model that carries KHA, with the user's plan unchanged.
 
     Call it after :func:`kha_compile.apply` and before ``fully_shard`` (FSDP2 + TP: pass the TP
@@ -199,13 +208,17 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
 
     register_mlp_value_sharding()
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ShardedModelError("kc.parallelize runs before fully_shard: call kc.apply, then kc.parallelize(model, "
-                       "mesh['tp'], plan), then fully_shard(..., mesh=mesh['dp']).")
+        raise ShardedModelError(
+            "kc.parallelize runs before fully_shard: call kc.apply, then kc.parallelize(model, "
+            "mesh['tp'], plan), then fully_shard(..., mesh=mesh['dp'])."
+        )
     kha = kha_modules(model)
     mha = [n for n, m in kha if isinstance(m, KHAMultiheadAttention)]
     if mha:
-        raise UnsupportedModelError(f"tensor parallel of nn.MultiheadAttention with KHA ({mha[0]}) is not supported: "
-                       "torch's parallel styles shard nn.Linear projections only.")
+        raise UnsupportedModelError(
+            f"tensor parallel of nn.MultiheadAttention with KHA ({mha[0]}) is not supported: "
+            "torch's parallel styles shard nn.Linear projections only."
+        )
     projections = [(n, m) for n, m in kha if isinstance(m, KHAProjection) and not isinstance(m, TensorParallelKHA)]
     hidden = {n: m._modules.pop("kha") for n, m in projections}
     try:
@@ -222,20 +235,24 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
         try:
             local = _local_features(w, 0)
         except TensorParallelError as e:
-            raise TensorParallelError(f"{n}: a KHA projection is sharded with {e}; shard q/k/v projections with "
-                           "ColwiseParallel (output features), never on their input features.") from None
+            raise TensorParallelError(
+                f"{n}: a KHA projection is sharded with {e}; shard q/k/v projections with "
+                "ColwiseParallel (output features), never on their input features."
+            ) from None
         if local is None:
             plans[n] = None
             continue
         slots = local_slots(n, tuple(s for s in m._kha_slots if s.role in m.kha), local)
-        plans[n] = (slots, *_plan(slots, len(local)))
+        plans[n] = (slots, *layout_plan(slots, len(local)))
     by_parent: dict[str, set[bool]] = {}
     for n, p in plans.items():
         by_parent.setdefault(_parent(n), set()).add(p is not None)
     mixed = [k for k, v in by_parent.items() if len(v) > 1]
     if mixed:
-        raise TensorParallelError(f"{mixed[0]}: some of its KHA projections are sharded by the plan and some are not. Shard all "
-                       "q/k/v projections of an attention with ColwiseParallel, or none of them.")
+        raise TensorParallelError(
+            f"{mixed[0]}: some of its KHA projections are sharded by the plan and some are not. Shard all "
+            "q/k/v projections of an attention with ColwiseParallel, or none of them."
+        )
     for n, m in projections:
         layout = plans[n]
         if layout is None:
@@ -243,8 +260,12 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
         mesh: Any = m.weight.device_mesh  # type: ignore[union-attr]
         for t in m.kha.values():
             for pname, param in list(t.named_parameters(recurse=False)):
-                t.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
-                                                         requires_grad=param.requires_grad))
+                t.register_parameter(
+                    pname,
+                    nn.Parameter(
+                        distribute_tensor(param.detach(), mesh, [Replicate()]), requires_grad=param.requires_grad
+                    ),
+                )
         m.__class__ = _tp_class(type(m))
         m.__dict__["_kha_tp_layout"] = layout
         m.__dict__["_kha_tp_group"] = mesh.get_group()

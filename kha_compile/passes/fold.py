@@ -10,6 +10,7 @@ tensors; every one is computed and checked (finite) before any is written, so a 
 changes nothing. Afterwards the handler detaches the module: classes and ``state_dict`` keys are
 exactly the original model's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ def _stored(module: nn.Module, name: str) -> Tensor:
     if stored is None:
         stored = owner._buffers.get(attr)
     if stored is None:
-        raise FoldError(f"cannot fold into {type(owner).__name__}.{attr}: not a parameter or buffer. "
-                        "Nothing was changed.")
+        raise FoldError(
+            f"cannot fold into {type(owner).__name__}.{attr}: not a parameter or buffer. Nothing was changed."
+        )
     return stored
 
 
@@ -66,9 +68,11 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in transforms_of(m).items() if not kind_of(t).foldable]
     if mlp and strict:
         shown = ", ".join(mlp[:4]) + (f" and {len(mlp) - 4} more" if len(mlp) > 4 else "")
-        raise FoldError(f"cannot fold: MLP-value KHA is not linear and stays an op ({shown}). Nothing was changed. "
-                        "Use kc.fold(model, strict=False) to fold only the linear transforms, and "
-                        "kc.export_onnx(...) to ship the MLP-value op as a fused node.")
+        raise FoldError(
+            f"cannot fold: MLP-value KHA is not linear and stays an op ({shown}). Nothing was changed. "
+            "Use kc.fold(model, strict=False) to fold only the linear transforms, and "
+            "kc.export_onnx(...) to ship the MLP-value op as a fused node."
+        )
     # 1. compute every new tensor; nothing is written yet
     updates: list[tuple[nn.Module, str, Tensor]] = []
     for name, m in modules:
@@ -79,8 +83,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             raise FoldError(f"{name}: {exc}") from exc
     bad = [f"{type(m).__name__}.{pname}" for m, pname, v in updates if not v.is_meta and not torch.isfinite(v).all()]
     if bad:
-        raise FoldError(f"fold produced non-finite values in {bad[:3]}; the KHA weights hold inf/NaN. "
-                        "Nothing was changed.")
+        raise FoldError(
+            f"fold produced non-finite values in {bad[:3]}; the KHA weights hold inf/NaN. Nothing was changed."
+        )
     # 2. commit: into the stored parameter (a KHA-parametrized attribute reads as the folded value)
     targets = [(_stored(m, pname), value) for m, pname, value in updates]
     with torch.no_grad():

@@ -7,6 +7,7 @@ the user need not give any; for every other module they are required.
 Neither transformers nor sentence-transformers is imported here: a model can only be an instance
 of their classes if the user already imported them, so their presence in ``sys.modules`` decides.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -80,8 +81,7 @@ def example_inputs(
             kwargs = _text_inputs(model, batch_size, seq_len, device, gen)
             if getattr(model.config, "is_encoder_decoder", False) and _accepts(model, "decoder_input_ids"):
                 vocab = _vocab_size(model.config)
-                kwargs["decoder_input_ids"] = torch.randint(
-                    0, vocab, (batch_size, seq_len), generator=gen).to(device)
+                kwargs["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)
         elif main == "pixel_values":
             kwargs = {"pixel_values": _pixel_values(model.config, batch_size, device, dtype, gen)}
         else:
@@ -89,21 +89,26 @@ def example_inputs(
                 f"{type(model).__name__} takes {main!r} as its main input, for which kha_compile "
                 f"cannot build example inputs from the config (it builds 'input_ids' and "
                 f"'pixel_values'). Pass example inputs, e.g. "
-                f"kc.apply(model, cfg, example_kwargs={{{main!r}: x}}).")
+                f"kc.apply(model, cfg, example_kwargs={{{main!r}: x}})."
+            )
         if _accepts(model, "use_cache"):
             kwargs["use_cache"] = False
         if _attn_implementation(model) == "flex_attention":
             # An all-ones mask adds nothing, and transformers' flex mask builder checks it with a
             # data-dependent guard (``fast_all(attention_mask)``) that torch.export cannot trace.
             kwargs.pop("attention_mask", None)
-        log.debug("built example inputs for %s: %s", type(model).__name__,
-                  {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+        log.debug(
+            "built example inputs for %s: %s",
+            type(model).__name__,
+            {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        )
         return (), kwargs
 
     raise MissingExampleInputsError(
         f"{type(model).__name__} is not a transformers PreTrainedModel, so kha_compile cannot build "
         f"example inputs for it: pass example inputs that make one valid call, e.g. "
-        f"kc.apply(model, cfg, example_args=(x,)) or example_kwargs={{'input_ids': ids}}.")
+        f"kc.apply(model, cfg, example_args=(x,)) or example_kwargs={{'input_ids': ids}}."
+    )
 
 
 def _is_hf_pretrained(model: nn.Module) -> bool:
@@ -135,21 +140,25 @@ def sentence_transformer_model(model: nn.Module) -> nn.Module | None:
     raise MissingExampleInputsError(
         "this SentenceTransformer has no transformers model among its modules, so kha_compile "
         "cannot build example inputs for it: pass a features dict, e.g. "
-        "kc.apply(model, cfg, example_args=({'input_ids': ids, 'attention_mask': mask},)).")
+        "kc.apply(model, cfg, example_args=({'input_ids': ids, 'attention_mask': mask},))."
+    )
 
 
-def _text_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device,
-                 gen: torch.Generator) -> dict[str, Any]:
+def _text_inputs(
+    model: nn.Module, batch_size: int, seq_len: int, device: torch.device, gen: torch.Generator
+) -> dict[str, Any]:
     vocab = _vocab_size(model.config)
     out: dict[str, Any] = {
-        "input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)}  # (B, T)
+        "input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)
+    }  # (B, T)
     if _accepts(model, "attention_mask"):
         out["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long).to(device)  # (B, T)
     return out
 
 
-def _pixel_values(config: Any, batch_size: int, device: torch.device, dtype: torch.dtype,
-                  gen: torch.Generator) -> torch.Tensor:
+def _pixel_values(
+    config: Any, batch_size: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     config = getattr(config, "vision_config", None) or config
     size = getattr(config, "image_size", 224)
     h, w = (size, size) if isinstance(size, int) else tuple(size)
@@ -164,7 +173,8 @@ def _vocab_size(config: Any) -> int:
     if not vocab:
         raise MissingExampleInputsError(
             f"{type(config).__name__} has no vocab_size, so kha_compile cannot build input_ids: "
-            f"pass example inputs, e.g. kc.apply(model, cfg, example_kwargs={{'input_ids': ids}}).")
+            f"pass example inputs, e.g. kc.apply(model, cfg, example_kwargs={{'input_ids': ids}})."
+        )
     return int(vocab)
 
 

@@ -5,6 +5,7 @@ A plan entry says: this module (a projection such as ``nn.Linear`` or ``Conv1D``
 head slots. The projection handler (:mod:`.handlers`, first that accepts wins) is chosen by
 what owns the projection weight, and does the attaching.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +29,12 @@ __all__ = ["MLA_NOTE", "PlanEntry", "build_sites", "current_transforms", "insert
 
 log = logging.getLogger(__name__)
 
-MLA_NOTE = ("MLA: linear KHA only (MLP-value would break weight absorption, as in the paper); T^Q acts on the "
-            "whole query head (no-RoPE and RoPE parts, folded into the query projection), T^K on the per-head "
-            "no-RoPE key part only (folded into kv_b_proj): the decoupled RoPE key is one piece shared by all "
-            "heads, and mixing it per head would make it per-head and break the shared cache")
+MLA_NOTE = (
+    "MLA: linear KHA only (MLP-value would break weight absorption, as in the paper); T^Q acts on the "
+    "whole query head (no-RoPE and RoPE parts, folded into the query projection), T^K on the per-head "
+    "no-RoPE key part only (folded into kv_b_proj): the decoupled RoPE key is one piece shared by all "
+    "heads, and mixing it per head would make it per-head and break the shared cache"
+)
 
 
 def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
@@ -45,8 +48,9 @@ def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
     return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
 
-def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: KHAConfig | None
-                ) -> tuple[list[AttentionSite], list[PlanEntry]]:
+def build_sites(
+    model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: KHAConfig | None
+) -> tuple[list[AttentionSite], list[PlanEntry]]:
     """Report entries for every site (expanded to every repeated block) and the insertion plan."""
     sites: list[AttentionSite] = []
     plan: dict[str, PlanEntry] = {}
@@ -57,9 +61,15 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: K
                 sites.append(AttentionSite(name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor))
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
-        kind: SiteKind = "mla" if raw.mla else "cross" if raw.cross else (
-            "mha" if k.head_map.num_heads == q.head_map.num_heads else
-            "mqa" if k.head_map.num_heads == 1 else "gqa")
+        kind: SiteKind = (
+            "mla"
+            if raw.mla
+            else "cross"
+            if raw.cross
+            else (
+                "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
+            )
+        )
         handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
@@ -82,20 +92,41 @@ def build_sites(model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: K
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
             site = AttentionSite(
-                name, "matched", kind=kind, num_heads=q.head_map.num_heads, num_kv_heads=k.head_map.num_heads,
-                head_dim=q.head_map.head_dim, v_head_dim=v.head_map.head_dim,
-                q_proj=paths["q"], k_proj=paths["k"], v_proj=paths["v"], rope=q.rope or k.rope,
-                qk_norm=q.qk_norm or k.qk_norm, anchor=raw.anchor, note=note)
+                name,
+                "matched",
+                kind=kind,
+                num_heads=q.head_map.num_heads,
+                num_kv_heads=k.head_map.num_heads,
+                head_dim=q.head_map.head_dim,
+                v_head_dim=v.head_map.head_dim,
+                q_proj=paths["q"],
+                k_proj=paths["k"],
+                v_proj=paths["v"],
+                rope=q.rope or k.rope,
+                qk_norm=q.qk_norm or k.qk_norm,
+                anchor=raw.anchor,
+                note=note,
+            )
             current_transforms(model, site, paths)
-            notes = [h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
-                     for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()]
+            notes = [
+                h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
+                for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
+            ]
             site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
                 path = paths[r]
-                entry = plan.setdefault(path, PlanEntry(path, _name(handlers[r][0]), [], {},
-                                                        int(raw.roles[r].projection.feature_map.numel()),
-                                                        cfg.strategy if cfg is not None else "auto"))
+                entry = plan.setdefault(
+                    path,
+                    PlanEntry(
+                        path,
+                        _name(handlers[r][0]),
+                        [],
+                        {},
+                        int(raw.roles[r].projection.feature_map.numel()),
+                        cfg.strategy if cfg is not None else "auto",
+                    ),
+                )
                 handler = handlers[r][0]
                 if handler is not None and handler.plans_roles:
                     handler.plan_role(entry, r, raw.roles[r], tk)
@@ -119,7 +150,7 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
         real_prefix = f"{list_path}.{orig}."
 
         def rename(p: str, a: str = traced_prefix, b: str = real_prefix) -> str:
-            return b + p[len(a):] if p.startswith(a) else p
+            return b + p[len(a) :] if p.startswith(a) else p
 
         out.append((rename(raw.name + ".")[:-1], rename))
     return out

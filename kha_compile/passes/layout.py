@@ -7,6 +7,7 @@ op. Where it reaches a tensor whose last axis is the head dimension, the varying
 head axis, and the values are the feature numbers. Fused [Q|K|V], interleaved [H, 3, Dh] and
 merged (B*H) layouts come out of the same rule, with no per-model tables.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,16 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-__all__ = ["IDENTITY_OPS", "LAYOUT_OPS", "HeadMap", "push_layout", "read_head_map", "shape_of", "slot_from_map"]
+__all__ = [
+    "IDENTITY_OPS",
+    "LAYOUT_OPS",
+    "HeadMap",
+    "NotLayout",
+    "push_layout",
+    "read_head_map",
+    "shape_of",
+    "slot_from_map",
+]
 
 aten = torch.ops.aten
 
@@ -42,11 +52,13 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 
 def _to_output_shape(method: str) -> Callable:
     """Reshape or expand the index tensor to the node's (static) output shape."""
+
     def run(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
         shape = shape_of(node)
         if shape is None:
-            raise _NotLayout("no static shape")
+            raise NotLayout("no static shape")
         return getattr(idx, method)(shape)
+
     return run
 
 
@@ -56,6 +68,7 @@ _to_shape, _expand = _to_output_shape("reshape"), _to_output_shape("expand")
 def _call(fn: Callable) -> Callable:
     def run(idx: Tensor, node: Node, *args, **kwargs):
         return fn(idx, *args, **kwargs)
+
     return run
 
 
@@ -63,43 +76,66 @@ def _identity(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
     return idx
 
 
-class _NotLayout(Exception):
+class NotLayout(Exception):
     pass
 
 
 # Ops whose output features are a rearrangement of the input's (target -> how to apply to an index tensor).
 LAYOUT_OPS: dict[Any, Callable] = {}
-for _op in ("view.default", "reshape.default", "_unsafe_view.default", "view_copy.default",
-            "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default",
-            "unflatten.int", "flatten.using_ints"):
+for _op in (
+    "view.default",
+    "reshape.default",
+    "_unsafe_view.default",
+    "view_copy.default",
+    "unsqueeze.default",
+    "squeeze.dim",
+    "squeeze.dims",
+    "squeeze.default",
+    "unflatten.int",
+    "flatten.using_ints",
+):
     _pkt, _ovl = _op.split(".")
     LAYOUT_OPS[getattr(getattr(aten, _pkt), _ovl)] = _to_shape
-LAYOUT_OPS.update({
-    aten.transpose.int: _call(torch.transpose),
-    aten.permute.default: _call(torch.permute),
-    aten.t.default: _call(torch.t),
-    aten.numpy_T.default: _call(lambda t: t.permute(*reversed(range(t.dim())))),
-    aten.slice.Tensor: _call(lambda t, dim=0, start=None, end=None, step=1: aten.slice.Tensor(t, dim, start, end, step)),
-    aten.select.int: _call(torch.select),
-    aten.narrow.default: _call(torch.narrow),
-    aten.expand.default: _expand,
-    aten.split.Tensor: _call(lambda t, size, dim=0: torch.split(t, size, dim)),
-    aten.split_with_sizes.default: _call(lambda t, sizes, dim=0: torch.split(t, sizes, dim)),
-    aten.chunk.default: _call(lambda t, chunks, dim=0: torch.chunk(t, chunks, dim)),
-    aten.unbind.int: _call(lambda t, dim=0: torch.unbind(t, dim)),
-    aten.movedim.int: _call(torch.movedim),
-    aten.repeat.default: _call(lambda t, sizes: t.repeat(sizes)),
-    aten.repeat_interleave.self_int: _call(lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)),
-    operator.getitem: _call(operator.getitem),
-    # complex RoPE (Llama-2 reference code): pairs of features become one complex number and back
-    aten.view_as_complex.default: _call(lambda t: torch.view_as_complex(t.double().contiguous())),
-    aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
-})
+LAYOUT_OPS.update(
+    {
+        aten.transpose.int: _call(torch.transpose),
+        aten.permute.default: _call(torch.permute),
+        aten.t.default: _call(torch.t),
+        aten.numpy_T.default: _call(lambda t: t.permute(*reversed(range(t.dim())))),
+        aten.slice.Tensor: _call(
+            lambda t, dim=0, start=None, end=None, step=1: aten.slice.Tensor(t, dim, start, end, step)
+        ),
+        aten.select.int: _call(torch.select),
+        aten.narrow.default: _call(torch.narrow),
+        aten.expand.default: _expand,
+        aten.split.Tensor: _call(lambda t, size, dim=0: torch.split(t, size, dim)),
+        aten.split_with_sizes.default: _call(lambda t, sizes, dim=0: torch.split(t, sizes, dim)),
+        aten.chunk.default: _call(lambda t, chunks, dim=0: torch.chunk(t, chunks, dim)),
+        aten.unbind.int: _call(lambda t, dim=0: torch.unbind(t, dim)),
+        aten.movedim.int: _call(torch.movedim),
+        aten.repeat.default: _call(lambda t, sizes: t.repeat(sizes)),
+        aten.repeat_interleave.self_int: _call(
+            lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)
+        ),
+        operator.getitem: _call(operator.getitem),
+        # complex RoPE (Llama-2 reference code): pairs of features become one complex number and back
+        aten.view_as_complex.default: _call(lambda t: torch.view_as_complex(t.double().contiguous())),
+        aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
+    }
+)
 # Ops that keep every feature where it is (casts, copies, dropout, identity-like).
 IDENTITY_OPS = {
-    aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
-    aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default, aten.lift_fresh_copy.default,
-    aten.dropout.default, aten.type_as.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.to.dtype,
+    aten.to.device,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.lift_fresh_copy.default,
+    aten.dropout.default,
+    aten.type_as.default,
 }
 for _same in IDENTITY_OPS:
     LAYOUT_OPS[_same] = _identity
@@ -108,24 +144,24 @@ for _same in IDENTITY_OPS:
 def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Any:
     """Apply the layout op ``node`` to the index tensor standing in for its input ``data_input``.
 
-    Raises ``_NotLayout`` when ``node`` is not a pure layout op of that input.
+    Raises ``NotLayout`` when ``node`` is not a pure layout op of that input.
     """
     fn = LAYOUT_OPS.get(node.target)
     if node.target is aten.index.Tensor:
         return _index(idx, node, data_input, constants)
     if fn is None:
-        raise _NotLayout(f"{node.target} is not a layout op")
+        raise NotLayout(f"{node.target} is not a layout op")
     if not node.args or node.args[0] is not data_input:
-        raise _NotLayout("data input is not the first argument")
+        raise NotLayout("data input is not the first argument")
     rest = [a for a in node.args[1:]]
     if any(isinstance(a, Node) for a in rest):
-        raise _NotLayout("non-constant layout argument")
+        raise NotLayout("non-constant layout argument")
     return fn(idx, node, *rest, **dict(node.kwargs))
 
 
 def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Tensor:
     if node.args[0] is not data_input:
-        raise _NotLayout("data input is not indexed")
+        raise NotLayout("data input is not indexed")
     indices: list[Tensor | None] = []
     raw_indices: Any = node.args[1]
     for ind in raw_indices:
@@ -136,7 +172,7 @@ def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tenso
             ind = ind.args[0]  # lift_fresh_copy(constant), casts
         val = constants.get(ind.name) if isinstance(ind, Node) else None
         if val is None or val.device.type == "meta":
-            raise _NotLayout("index with a computed (non-constant) tensor")
+            raise NotLayout("index with a computed (non-constant) tensor")
         indices.append(val.to("cpu"))
     return aten.index.Tensor(idx, indices)
 

@@ -8,6 +8,7 @@ Rules, each with a reason when it declines:
   matmul against a parameter), through layout ops and through whatever the insertion point must
   precede (rotary embeddings, QK-norm, scaling, repeat_kv); :mod:`.layout` reads the head map.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch.fx import Node
 
-from .layout import LAYOUT_OPS, HeadMap, _NotLayout, push_layout, read_head_map, shape_of
+from .layout import LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
 from .params import (
     PROJ_TARGETS,
     ParamPiece,
@@ -41,12 +42,25 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _PROJ_OPS = PROJ_TARGETS  # linear, addmm, mm, matmul, einsum, tensordot
-_NORM_OPS = {aten.rsqrt.default, aten.rms_norm.default, aten.layer_norm.default,
-             aten.native_layer_norm.default, aten.var_mean.correction}
+_NORM_OPS = {
+    aten.rsqrt.default,
+    aten.rms_norm.default,
+    aten.layer_norm.default,
+    aten.native_layer_norm.default,
+    aten.var_mean.correction,
+}
 _TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 _COPY_OPS = {aten.copy_.default, aten.copy.default}
-_ALLOC_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.empty_like.default,
-              aten.zeros_like.default, aten.ones_like.default, aten.new_full.default, aten.full_like.default}
+_ALLOC_OPS = {
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.empty_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.new_full.default,
+    aten.full_like.default,
+}
 _DEBUG = os.environ.get("KHA_MATCH_DEBUG")  # a node name: explain every decision that touches it
 
 
@@ -137,7 +151,12 @@ class MatchGraph:
         for n in self.graph.nodes:
             if n.op == "call_function" and n.target in _COPY_OPS and isinstance(n.args[0], Node):
                 base = n.args[0]
-                while base.op == "call_function" and base.target in LAYOUT_OPS and base.args and isinstance(base.args[0], Node):
+                while (
+                    base.op == "call_function"
+                    and base.target in LAYOUT_OPS
+                    and base.args
+                    and isinstance(base.args[0], Node)
+                ):
                     base = base.args[0]
                 src = n.args[1]
                 if isinstance(src, Node):
@@ -149,7 +168,9 @@ class MatchGraph:
         return own + self.writes.get(n, [])
 
     def users(self, n: Node) -> list[Node]:
-        return [u for u in n.users if not (u.op == "call_function" and u.target in _ALLOC_OPS)] + self.written_by.get(n, [])
+        return [u for u in n.users if not (u.op == "call_function" and u.target in _ALLOC_OPS)] + self.written_by.get(
+            n, []
+        )
 
     # -- projections ---------------------------------------------------------------------
     def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
@@ -172,7 +193,7 @@ class MatchGraph:
             for op, src in reversed(chain):
                 rows = push_layout(rows, op, src, self.constants)
                 cols = push_layout(cols, op, src, self.constants)
-        except (_NotLayout, RuntimeError, IndexError, TypeError):
+        except (NotLayout, RuntimeError, IndexError, TypeError):
             return None
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             return None
@@ -198,8 +219,13 @@ class MatchGraph:
         if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
             module_path = _module_path(node)
         proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
-        bias = node.args[2] if node.target is aten.linear.default and len(node.args) > 2 else \
-            node.args[0] if node.target is aten.addmm.default else None
+        bias = (
+            node.args[2]
+            if node.target is aten.linear.default and len(node.args) > 2
+            else node.args[0]
+            if node.target is aten.addmm.default
+            else None
+        )
         after = post_bias(node) if bias is None else None
         if after is not None and self.is_param(after):
             bias = after
@@ -215,8 +241,13 @@ class MatchGraph:
         """How many projection calls on ``weight`` run before ``node`` in its module call."""
         stack = node.meta.get("nn_module_stack") or {}
         scope = self.scope.get(list(stack)[-1], []) if stack else list(self.graph.nodes)
-        return sum(1 for n in scope if n.target in _PROJ_OPS and self.order[n] < self.order[node]
-                   and any(root_param(a, self.params) is weight for a in n.all_input_nodes))
+        return sum(
+            1
+            for n in scope
+            if n.target in _PROJ_OPS
+            and self.order[n] < self.order[node]
+            and any(root_param(a, self.params) is weight for a in n.all_input_nodes)
+        )
 
     def is_param(self, node: Any) -> bool:
         """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""
@@ -226,7 +257,9 @@ class MatchGraph:
             if not isinstance(n, Node) or n in seen:
                 continue
             seen.add(n)
-            if n.op == "placeholder" and not (n.name in self.params or n.name in self.buffers or n.name in self.constants):
+            if n.op == "placeholder" and not (
+                n.name in self.params or n.name in self.buffers or n.name in self.constants
+            ):
                 return False  # an activation (a user input) feeds it
             stack.extend(n.all_input_nodes)
         return True
@@ -246,12 +279,18 @@ class MatchGraph:
             return False  # the attention itself owns the weight: used functionally, not a projection module
         for n in self.scope.get(list(stack)[-1], ()):  # this call of the module (shared layers run it often)
             if self.order[n] <= self.order[node]:
-                if n is not node and self.order[n] < self.order[node] and n.target not in _PROJ_OPS \
-                        and not self._feeds_weight(n, node):
+                if (
+                    n is not node
+                    and self.order[n] < self.order[node]
+                    and n.target not in _PROJ_OPS
+                    and not self._feeds_weight(n, node)
+                ):
                     return False
                 continue
             for inp in n.all_input_nodes:
-                if inp not in own and not (inp.op == "placeholder" and (inp.name in self.params or inp.name in self.constants)):
+                if inp not in own and not (
+                    inp.op == "placeholder" and (inp.name in self.params or inp.name in self.constants)
+                ):
                     return False
             own.add(n)
         return True
@@ -277,8 +316,12 @@ class MatchGraph:
             if proj is not None:
                 found.append(proj)
                 continue
-            if node.op != "call_function" or node.target in SDPA_OPS or node.target in SOFTMAX_OPS \
-                    or node.target is aten.embedding.default:
+            if (
+                node.op != "call_function"
+                or node.target in SDPA_OPS
+                or node.target in SOFTMAX_OPS
+                or node.target is aten.embedding.default
+            ):
                 continue
             for inp in self.inputs(node):
                 if inp.op == "placeholder" and (inp.name in self.params or inp.name in self.buffers):
@@ -343,7 +386,9 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
     return False
 
 
-def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection) -> tuple[RoleMatch | None, str]:
+def _role_match(
+    g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection
+) -> tuple[RoleMatch | None, str]:
     """Push the projection's feature index to ``target`` and read the head map at the head split."""
     path = g.path_nodes(proj.node, target)
     if not path:
@@ -362,9 +407,14 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
         if cur in g.writes.get(nxt, ()) and cur_shape and nxt_shape and cur_shape[-1] < nxt_shape[-1]:
             expect[i] = cur_shape[-1]  # written into a last-axis slice of a buffer
             shared = True
-        elif nxt.target is aten.cat.default and cur in cast(list, nxt.args[0]) and cur_shape and nxt_shape \
-                and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1) \
-                and cur_shape[-1] != nxt_shape[-1]:
+        elif (
+            nxt.target is aten.cat.default
+            and cur in cast(list, nxt.args[0])
+            and cur_shape
+            and nxt_shape
+            and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1)
+            and cur_shape[-1] != nxt_shape[-1]
+        ):
             expect[i] = cur_shape[-1]
             shared = True
         else:
@@ -386,10 +436,10 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
                 elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
                     pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
                 elif isinstance(idx, tuple) and node.target is not None:
-                    raise _NotLayout(f"tuple consumed by {node.target}")
+                    raise NotLayout(f"tuple consumed by {node.target}")
                 else:
-                    raise _NotLayout(f"{node.name} ({node.target}) changes the shape")
-            except (_NotLayout, RuntimeError, IndexError, TypeError) as exc:
+                    raise NotLayout(f"{node.name} ({node.target}) changes the shape")
+            except (NotLayout, RuntimeError, IndexError, TypeError) as exc:
                 if node.target in LAYOUT_OPS or node.target is aten.index.Tensor:
                     # a layout op we could not evaluate: the head map after it is unknown
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
@@ -400,15 +450,19 @@ def _role_match(g: MatchGraph, role: str, target: Node, expect_dim: int, proj: P
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
-        return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (f" ({stop})" if stop else "")
-    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) \
-        or any(n.target is aten.view_as_complex.default for n in path)
+        return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (
+            f" ({stop})" if stop else ""
+        )
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) or any(
+        n.target is aten.view_as_complex.default for n in path
+    )
     qk_norm = any(n.target in _NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
 
 
 def _strip_identity(node: Node) -> Node:
     from .layout import IDENTITY_OPS
+
     while node.op == "call_function" and node.target in IDENTITY_OPS and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
@@ -428,7 +482,10 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
             other = g.as_projection(n)
             if other is not None:
                 return bool(scope) and other.module_path.startswith(scope + ".")
-            if n.target in (aten.add.Tensor, aten.sub.Tensor) and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2:
+            if (
+                n.target in (aten.add.Tensor, aten.sub.Tensor)
+                and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2
+            ):
                 continue  # a residual add: the input is the model's hidden stream, not a latent
             if n.target is aten.embedding.default:
                 continue
@@ -473,7 +530,9 @@ def find_sites(exported) -> list[RawSite]:
         for role, target in roles.items():
             projs, why = g.find_projections(target)
             if not projs:
-                problems.append(f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else ""))
+                problems.append(
+                    f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else "")
+                )
                 continue
             matches: list[RoleMatch] = []
             whys: list[str] = []
@@ -499,8 +558,15 @@ def find_sites(exported) -> list[RawSite]:
             site.reason = "; ".join(problems)
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
-            site.mla = k.shared_piece or v.shared_piece or _latent_input(g, k.projection, name) or _latent_input(g, v.projection, name)
-            site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(k.projection.input_node)
+            site.mla = (
+                k.shared_piece
+                or v.shared_piece
+                or _latent_input(g, k.projection, name)
+                or _latent_input(g, v.projection, name)
+            )
+            site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(
+                k.projection.input_node
+            )
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)

@@ -18,6 +18,7 @@ Example::
 
     info = projection_info(node)       # (weight arg, weight output axes, out_index) or None
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ from torch import Tensor
 from torch.fx import Node
 from torch.fx.node import Argument
 
-from .layout import IDENTITY_OPS, LAYOUT_OPS, _NotLayout, push_layout, shape_of
+from .layout import IDENTITY_OPS, LAYOUT_OPS, NotLayout, push_layout, shape_of
 
 __all__ = [
     "PROJ_TARGETS",
@@ -43,8 +44,14 @@ __all__ = [
 
 aten = torch.ops.aten
 
-PROJ_TARGETS = {aten.linear.default, aten.addmm.default, aten.matmul.default, aten.mm.default,
-                aten.einsum.default, aten.tensordot.default}
+PROJ_TARGETS = {
+    aten.linear.default,
+    aten.addmm.default,
+    aten.matmul.default,
+    aten.mm.default,
+    aten.einsum.default,
+    aten.tensordot.default,
+}
 _ZERO_OPS = {aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default}
 _ADD_OPS = {aten.add.Tensor}
 
@@ -67,21 +74,21 @@ def _eq_operands(eq: str, ndims: list[int], out_ndim: int) -> tuple[list[str], s
     """Split an einsum equation into per-operand letters and output letters, expanding '...'."""
     eq = eq.replace(" ", "")
     if "->" not in eq:
-        raise _NotLayout("implicit einsum output")
+        raise NotLayout("implicit einsum output")
     lhs, out = eq.split("->")
     ops = lhs.split(",")
     if len(ops) != len(ndims):
-        raise _NotLayout("einsum operand count")
+        raise NotLayout("einsum operand count")
     fill = [chr(0x100 + i) for i in range(16)]  # stand-in letters for the axes under '...'
     expanded = []
     for spec, nd in zip(ops, ndims):
         if "..." in spec:
             n = nd - (len(spec) - 3)
-            spec = spec.replace("...", "".join(fill[16 - n:]) if n else "")
+            spec = spec.replace("...", "".join(fill[16 - n :]) if n else "")
         expanded.append(spec)
     if "..." in out:
         n = out_ndim - (len(out) - 3)
-        out = out.replace("...", "".join(fill[16 - n:]) if n else "")
+        out = out.replace("...", "".join(fill[16 - n :]) if n else "")
     return expanded, out
 
 
@@ -112,8 +119,10 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
             if ws is None or xs is None:
                 continue
             try:
-                specs, out = _eq_operands(cast(str, node.args[0]), [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape))
-            except _NotLayout:
+                specs, out = _eq_operands(
+                    cast(str, node.args[0]), [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape)
+                )
+            except NotLayout:
                 return []
             wspec = specs[wi]
             if len(set(wspec)) != len(wspec):
@@ -159,7 +168,9 @@ def _numel(shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
     return n
 
 
-def _einsum_index(wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: str, out_shape: tuple[int, ...]) -> Tensor:
+def _einsum_index(
+    wspec: str, ws: tuple[int, ...], axes: tuple[int, ...], out: str, out_shape: tuple[int, ...]
+) -> Tensor:
     feats = torch.arange(_numel(ws, axes)).reshape([ws[a] for a in axes])  # weight out axes, weight order
     letters = [wspec[a] for a in axes]
     order = sorted(range(len(letters)), key=lambda i: out.index(letters[i]))
@@ -201,8 +212,9 @@ def root_param(node: Any, params: dict[str, str]) -> Node | None:
     return found[0] if found is not None else None
 
 
-def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tensor]
-                  ) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
+def _axis_indices(
+    node: Node, params: dict[str, str], constants: dict[str, Tensor]
+) -> tuple[str, tuple[int, ...], list[Tensor]] | None:
     """(param name, param shape, per-axis index tensors at ``node``) through layout ops."""
     found = param_chain(node, params)
     if found is None:
@@ -219,7 +231,7 @@ def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tenso
         try:
             for op, src in reversed(chain):
                 idx = push_layout(idx, op, src, constants)
-        except (_NotLayout, RuntimeError, IndexError, TypeError):
+        except (NotLayout, RuntimeError, IndexError, TypeError):
             return None
         if not isinstance(idx, Tensor):
             return None
@@ -227,8 +239,9 @@ def _axis_indices(node: Node, params: dict[str, str], constants: dict[str, Tenso
     return params[cur.name], shape, per_axis
 
 
-def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str], constants: dict[str, Tensor]
-                  ) -> ParamPiece | None:
+def weight_source(
+    node: Node, arg_axes: tuple[int, ...], params: dict[str, str], constants: dict[str, Tensor]
+) -> ParamPiece | None:
     """The parameter seen through layout ops at ``node`` (a projection's weight arg), as a piece.
 
     ``arg_axes`` are the weight arg's output axes. Each parameter axis must follow only the output
@@ -264,8 +277,9 @@ def weight_source(node: Node, arg_axes: tuple[int, ...], params: dict[str, str],
     return ParamPiece(name, tuple(p_axes), fmap)
 
 
-def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str], table: list, depth: int = 0
-                      ) -> Tensor | None:
+def _global_positions(
+    node: Any, params: dict[str, str], buffers: dict[str, str], table: list, depth: int = 0
+) -> Tensor | None:
     """Index tensor of ``node``'s shape: id of each element's source (param offset + position, -1 for zero)."""
     if depth > 24 or not isinstance(node, Node):
         return None
@@ -294,13 +308,14 @@ def _global_positions(node: Any, params: dict[str, str], buffers: dict[str, str]
             return None
         try:
             return push_layout(inner, node, src, {})
-        except (_NotLayout, RuntimeError, IndexError, TypeError):
+        except (NotLayout, RuntimeError, IndexError, TypeError):
             return None
     return None
 
 
-def bias_pieces(bias: Node, out_index: Tensor, n_features: int, params: dict[str, str], buffers: dict[str, str]
-                ) -> tuple[list[ParamPiece], str]:
+def bias_pieces(
+    bias: Node, out_index: Tensor, n_features: int, params: dict[str, str], buffers: dict[str, str]
+) -> tuple[list[ParamPiece], str]:
     """Parameter pieces of a bias added to a projection output (broadcast to ``out_index``'s shape)."""
     table: list = []
     pos = _global_positions(bias, params, buffers, table)

@@ -7,6 +7,7 @@ and bias b, ``x -> x @ T`` after the projection equals the projection with
 
 computed in float32 and cast back. Nothing is written: callers commit the returned tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ from ..modules import HeadSlot
 __all__ = ["fold_rows"]
 
 
-def fold_rows(weight: Tensor, bias: Tensor | None, slot: HeadSlot, t: Tensor, axis: int, *,
-              detach: bool = True) -> tuple[Tensor, Tensor | None]:
+def fold_rows(
+    weight: Tensor, bias: Tensor | None, slot: HeadSlot, t: Tensor, axis: int, *, detach: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """New (weight, bias) with ``x -> x @ t`` folded into the head slices of ``slot``.
 
     ``detach=False`` keeps the autograd graph (weight-side execution: gradients reach W, b and t).

@@ -5,6 +5,7 @@ configuration. Before exporting, every ``nn.ModuleList`` of such blocks is cut d
 representative per distinct block signature, so the trace costs O(distinct block types), not
 O(depth). :class:`Capture` maps what is found in a representative back to all its copies.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,12 @@ def _index_attrs(blocks: nn.ModuleList) -> frozenset:
     for i, block in enumerate(blocks):
         if block is None:
             continue
-        here = {(name, k) for name, sub in block.named_modules() for k, v in _simple_attrs(sub).items()
-                if type(v) is int and v == i}
+        here = {
+            (name, k)
+            for name, sub in block.named_modules()
+            for k, v in _simple_attrs(sub).items()
+            if type(v) is int and v == i
+        }
         found = here if found is None else found & here
     return frozenset(found or ())
 
@@ -84,7 +89,7 @@ class Capture:
         for list_path, positions in self.groups.items():
             prefix = list_path + "."
             if path.startswith(prefix):
-                rest = path[len(prefix):]
+                rest = path[len(prefix) :]
                 idx, _, tail = rest.partition(".")
                 if idx.isdigit() and int(idx) < len(positions):
                     return [f"{prefix}{orig}{'.' + tail if tail else ''}" for orig in positions[int(idx)]]
@@ -95,7 +100,7 @@ class Capture:
         for list_path in self.groups:
             prefix = list_path + "."
             if path.startswith(prefix):
-                idx = path[len(prefix):].partition(".")[0]
+                idx = path[len(prefix) :].partition(".")[0]
                 if idx.isdigit():
                     return list_path, int(idx)
         return None
@@ -212,6 +217,7 @@ _LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, tor
 def _exportable(value: object) -> bool:
     """Whether torch.export can take ``value`` as an input: a pytree of tensors and plain values."""
     from torch.utils import _pytree
+
     try:
         leaves = _pytree.tree_leaves(value)
     except Exception:  # a pytree node that cannot be flattened
@@ -232,8 +238,11 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
     if not fixed_args and not fixed_kwargs:
         yield args, kwargs
         return
-    log.info("binding %s as constants for the trace of %s (torch.export cannot take them as inputs)",
-             [type(v).__name__ for v in (*fixed_args.values(), *fixed_kwargs.values())], type(model).__name__)
+    log.info(
+        "binding %s as constants for the trace of %s (torch.export cannot take them as inputs)",
+        [type(v).__name__ for v in (*fixed_args.values(), *fixed_kwargs.values())],
+        type(model).__name__,
+    )
     forward = model.forward
     had_own = "forward" in vars(model)
     n_args = len(args)
@@ -246,8 +255,10 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
 
     model.forward = bound_forward
     try:
-        yield (tuple(a for i, a in enumerate(args) if i not in fixed_args),
-               {k: v for k, v in kwargs.items() if k not in fixed_kwargs})
+        yield (
+            tuple(a for i, a in enumerate(args) if i not in fixed_args),
+            {k: v for k, v in kwargs.items() if k not in fixed_kwargs},
+        )
     finally:
         if had_own:
             model.forward = forward

@@ -6,10 +6,12 @@ axis (..., Dh), whether it folds and the matrix it folds as, its ONNX translatio
 named matrices for pictures. A new kind is one new file in this package that defines a spec and
 calls :func:`register_transform`; the package imports every file in it on first use.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Optional
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +19,7 @@ from torch import Tensor, nn
 from ..errors import KHAConfigError, UnknownTransformError
 from ..kinds import Role, TransformName
 
-__all__ = ["TransformKind", "TransformName", "register_transform", "get_transform", "transform_kinds", "kind_of"]
+__all__ = ["TransformKind", "TransformName", "get_transform", "kind_of", "register_transform", "transform_kinds"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,11 @@ class TransformKind:
     param_names: ClassVar[tuple[str, ...]]  # the module's parameters, in the order functional() takes them
     foldable: ClassVar[bool] = False
 
-    def create(self, head_dim: int, *, dtype: Optional[torch.dtype] = None,
-               device: Optional[torch.device] = None) -> nn.Module:
+    def create(
+        self, head_dim: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> nn.Module:
         """A new module of this kind over heads of ``head_dim``, at identity (the model is unchanged)."""
-        return self.module_cls(head_dim, dtype=dtype, device=device)  # type: ignore[call-arg]
+        return self.module_cls(head_dim, dtype=dtype, device=device)
 
     def params(self, module: nn.Module) -> list[Tensor]:
         """The module's tensors in :attr:`param_names` order (what :meth:`functional` takes)."""
@@ -82,7 +85,9 @@ def _load() -> None:
     import importlib
     import pkgutil
 
-    from . import __path__ as pkg_path, __name__ as pkg_name  # type: ignore[attr-defined]
+    from . import __name__ as pkg_name
+    from . import __path__ as pkg_path
+
     for info in sorted(pkgutil.iter_modules(pkg_path), key=lambda i: i.name):
         if info.name != "base":
             importlib.import_module(f"{pkg_name}.{info.name}")
@@ -113,8 +118,9 @@ def get_transform(name: str) -> TransformKind:
     try:
         return _KINDS[name]
     except KeyError:
-        raise UnknownTransformError(f"unknown KHA transform kind {name!r}; use one of "
-                                    f"{', '.join(repr(k) for k in _KINDS)}.") from None
+        raise UnknownTransformError(
+            f"unknown KHA transform kind {name!r}; use one of {', '.join(repr(k) for k in _KINDS)}."
+        ) from None
 
 
 def transform_kinds() -> dict[str, TransformKind]:
@@ -131,5 +137,3 @@ def transform_kinds() -> dict[str, TransformKind]:
 def kind_of(module: nn.Module) -> TransformKind:
     """The spec of a transform module (its class's ``kind`` attribute)."""
     return get_transform(getattr(module, "kind", ""))
-
-

@@ -1,14 +1,14 @@
 """KHA-Linear: ``x @ T`` over the head axis, T shared by every head of its role; folds exactly."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
+from ..errors import InternalError
 from .base import TransformKind, register_transform
 
-__all__ = ["KHALinearTransform", "LinearKind", "LINEAR"]
+__all__ = ["LINEAR", "KHALinearTransform", "LinearKind"]
 
 
 class KHALinearTransform(nn.Module):
@@ -24,8 +24,7 @@ class KHALinearTransform(nn.Module):
 
     kind = "linear"
 
-    def __init__(self, head_dim: int, *, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(self, head_dim: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.weight = nn.Parameter(torch.empty(head_dim, head_dim, dtype=dtype, device=device))
@@ -58,7 +57,9 @@ class LinearKind(TransformKind):
         return x @ t  # (..., Dh) @ (Dh, Dh)
 
     def fold_matrix(self, module: nn.Module) -> Tensor:
-        weight: Tensor = getattr(module, "weight")
+        weight = module.weight
+        if not isinstance(weight, Tensor):  # pragma: no cover - every linear transform holds a weight tensor
+            raise InternalError(f"{type(module).__name__}.weight is not a tensor; this is a bug")
         return weight
 
     def matrices(self, module: nn.Module) -> dict[str, Tensor]:

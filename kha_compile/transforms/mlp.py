@@ -1,7 +1,9 @@
 """KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one ``kha::mlp_value`` op; never folds."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -9,7 +11,7 @@ from torch import Tensor, nn
 from .. import ops  # noqa: F401  (registers torch.ops.kha.mlp_value)
 from .base import TransformKind, register_transform
 
-__all__ = ["KHAMLPValue", "MLPValueKind", "MLP"]
+__all__ = ["MLP", "KHAMLPValue", "MLPValueKind"]
 
 
 class KHAMLPValue(nn.Module):
@@ -25,8 +27,7 @@ class KHAMLPValue(nn.Module):
 
     kind = "mlp"
 
-    def __init__(self, head_dim: int, *, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(self, head_dim: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.up = nn.Parameter(torch.empty(head_dim, head_dim, dtype=dtype, device=device))
@@ -64,9 +65,9 @@ class MLPValueKind(TransformKind):
         return torch.ops.kha.mlp_value(x, up, gate, down)
 
     def onnx_translations(self) -> dict[Any, Callable[..., Any]]:
-        from ..exporters.onnx import _translate_mlp_value
+        from ..exporters.onnx import translate_mlp_value
 
-        return {torch.ops.kha.mlp_value.default: _translate_mlp_value}
+        return {torch.ops.kha.mlp_value.default: translate_mlp_value}
 
 
 MLP = register_transform(MLPValueKind())

@@ -1,4 +1,5 @@
 """Helpers shared by the backend tests (imported as ``backend_cases``)."""
+
 from __future__ import annotations
 
 import torch

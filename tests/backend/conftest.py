@@ -1,4 +1,5 @@
 """Fresh Dynamo state and backend stats around every backend test."""
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ Inductor compiles are slow on CPU (tens of seconds for a tiny 2-layer model), so
 is tested with ``compiler="eager"`` in the rule tests and Inductor runs in a few end-to-end tests
 here; those on more than one model are marked slow.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def test_backend_module_is_callable():
 
 # --- Inductor end to end --------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
-                                  pytest.param("bert", marks=pytest.mark.slow)])
+
+@pytest.mark.parametrize(
+    "name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("bert", marks=pytest.mark.slow)]
+)
 def test_mlp_value_inductor_matches_eager_forward_and_grads(name):
     """One compile with gradients on: outputs and one backward step's KHA gradients match eager."""
     case = kha_case(name, kc.KHAConfig(v="mlp"))
@@ -67,6 +70,7 @@ def test_linear_qkv_folded_under_no_grad_inductor():
 
 
 # --- no KHA ---------------------------------------------------------------------------------
+
 
 def test_model_without_kha_compiles_unchanged_and_logs_once(caplog):
     mod = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))

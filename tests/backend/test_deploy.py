@@ -1,4 +1,5 @@
 """kha_compile.backend.rules.deploy and backend.deploy: a checkpoint's transforms in an untouched model."""
+
 from __future__ import annotations
 
 import pytest

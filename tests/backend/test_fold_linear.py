@@ -1,4 +1,5 @@
 """kha_compile.backend.rules.fold_linear: KHA-Linear folded into the projection (graph run eagerly)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,11 @@ import kha_compile as kc
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])  # separate, fused Conv1D, interleaved [H, 3, Dh]
-@pytest.mark.parametrize("cfg", [kc.KHAConfig(q="linear", k="linear", v="linear"), kc.KHAConfig(q="linear", v="mlp")],
-                         ids=["qkv_linear", "q_linear_v_mlp"])
+@pytest.mark.parametrize(
+    "cfg",
+    [kc.KHAConfig(q="linear", k="linear", v="linear"), kc.KHAConfig(q="linear", v="mlp")],
+    ids=["qkv_linear", "q_linear_v_mlp"],
+)
 def test_fold_layouts(name, cfg):
     case = kha_case(name, cfg)
     ref = run(case.model, case)
@@ -44,8 +48,6 @@ def test_fold_follows_in_place_updates():
     got, ref = run(compiled, case), run(case.model, case)
     assert rel(got, ref) < RTOL_OUT
     assert be.stats.rewrites["fold_linear"] == case.num_sites and len(be.stats.graphs) == 1
-
-
 
 
 def test_fold_switched_off_keeps_the_matmuls():

@@ -1,4 +1,5 @@
 """kha_compile.backend.rules.fuse_mlp_value: the hand-written MLP-value formula becomes one fused op."""
+
 from __future__ import annotations
 
 import operator
@@ -17,7 +18,7 @@ class HandMLP(nn.Module):
     def __init__(self, d: int = 16, form: str = "paper"):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.up, self.gate, self.down = (nn.Parameter(torch.randn(d, d, generator=g) / d ** 0.5) for _ in range(3))
+        self.up, self.gate, self.down = (nn.Parameter(torch.randn(d, d, generator=g) / d**0.5) for _ in range(3))
         self.form = form
 
     def forward(self, v):
@@ -79,8 +80,6 @@ def test_decomposed_mlp_value_inductor_trains():
     assert rel(got.detach(), ref.detach()) < RTOL_OUT
     for p, g in zip(mod.parameters(), ref_grads):
         assert ((p.grad - g).norm() / g.norm()).item() < RTOL_GRAD
-
-
 
 
 def test_fuse_switched_off_leaves_the_formula():

@@ -1,4 +1,5 @@
 """kha_compile.backend.registration: "kha" registered lazily, and the entry point's target."""
+
 from __future__ import annotations
 
 import pathlib
@@ -11,12 +12,14 @@ import kha_compile as kc
 
 
 def test_registered_lazily_under_kha():
-    code = ("import sys, kha_compile\n"
-            "assert 'torch._dynamo' not in sys.modules, 'importing kha_compile imported dynamo'\n"
-            "import torch._dynamo\n"
-            "assert 'kha' in torch._dynamo.list_backends()\n"
-            "from torch._dynamo.backends.registry import lookup_backend\n"
-            "assert lookup_backend('kha') is kha_compile.backend.kha\n")
+    code = (
+        "import sys, kha_compile\n"
+        "assert 'torch._dynamo' not in sys.modules, 'importing kha_compile imported dynamo'\n"
+        "import torch._dynamo\n"
+        "assert 'kha' in torch._dynamo.list_backends()\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "assert lookup_backend('kha') is kha_compile.backend.kha\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

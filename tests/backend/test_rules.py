@@ -1,4 +1,5 @@
 """kha_compile.backend.rules: one list of rules, in the order the stats report them."""
+
 from __future__ import annotations
 
 from typing import get_args
@@ -17,19 +18,26 @@ def test_rules_listed_once_and_named_by_the_literal():
     assert list(BackendStats().rewrites) == [r.name for r in RULES]
 
 
-@pytest.mark.parametrize("options, deploy, expected", [
-    ({"fold": True, "fuse_mlp": True}, None, [FuseMLPValue, FoldLinearKHA]),
-    ({"fold": True, "fuse_mlp": False}, None, [FoldLinearKHA]),
-    ({"fold": False, "fuse_mlp": True}, [], [DeployKHA, FuseMLPValue, FoldLinearKHA]),
-])
+@pytest.mark.parametrize(
+    "options, deploy, expected",
+    [
+        ({"fold": True, "fuse_mlp": True}, None, [FuseMLPValue, FoldLinearKHA]),
+        ({"fold": True, "fuse_mlp": False}, None, [FoldLinearKHA]),
+        ({"fold": False, "fuse_mlp": True}, [], [DeployKHA, FuseMLPValue, FoldLinearKHA]),
+    ],
+)
 def test_each_rule_decides_whether_it_runs(options, deploy, expected):
     setup = RuleSetup(options, deploy)
     assert [type(r) for cls in RULES if (r := cls.create(setup)) is not None] == expected
 
 
 def test_stats_sum_over_graphs_and_declines_unpack():
-    stats = BackendStats([GraphStats(0, {"fold_linear": 2}, [Decline("fold_linear", "mm", "why")], 1, True),
-                          GraphStats(1, {"fold_linear": 1, "deploy": 3}, [], 2, False)])
+    stats = BackendStats(
+        [
+            GraphStats(0, {"fold_linear": 2}, [Decline("fold_linear", "mm", "why")], 1, True),
+            GraphStats(1, {"fold_linear": 1, "deploy": 3}, [], 2, False),
+        ]
+    )
     assert stats.rewrites == {"deploy": 3, "fuse_mlp_value": 0, "fold_linear": 3}
     assert stats.mlp_value_ops == 3 and stats.has_kha
     ((rule, node, reason),) = stats.declined

@@ -1,4 +1,5 @@
 """Helpers of the CLI tests (imported as ``cli_cases``): run the command in-process, make checkpoints."""
+
 from __future__ import annotations
 
 import pathlib

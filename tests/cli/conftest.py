@@ -1,4 +1,5 @@
 """Tables at a fixed width for every CLI test."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.bench: listing and running benchmarks/."""
+
 from __future__ import annotations
 
 import pathlib
@@ -20,8 +21,9 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys):
 
 
 def test_bench_passes_arguments_through(capfd, tmp_path, monkeypatch):
-    (tmp_path / "echo_args.py").write_text('"""Echo the arguments."""\nimport sys\n'
-                                           'print("ARGS", sys.argv[1:])\nsys.exit(3)\n')
+    (tmp_path / "echo_args.py").write_text(
+        '"""Echo the arguments."""\nimport sys\nprint("ARGS", sys.argv[1:])\nsys.exit(3)\n'
+    )
     monkeypatch.setattr("kha_compile.cli.commands.bench.benchmarks_dir", lambda: tmp_path)
     code, out, _ = run(capfd, "bench")
     assert code == 0 and "echo_args" in out and "Echo the arguments." in out

@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.demo: the measured demo on the embedded MiniLM (a few steps)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +76,9 @@ def test_viz_finds_the_demo_loss_curves(demo_out, capsys):
     png = out_dir / "viz" / "k.png"
     code, out, err = run(capsys, "viz", "minilm", "--kha", str(out_dir / "kha_checkpoint"), "--out", str(png))
     assert code == 0, err
-    assert png.is_file() and (out_dir / "viz" / "k_diagonal.png").is_file() and (out_dir / "viz" / "k_loss.png").is_file()
+    assert (
+        png.is_file() and (out_dir / "viz" / "k_diagonal.png").is_file() and (out_dir / "viz" / "k_loss.png").is_file()
+    )
     assert "layer 0" in out and "T^V diag" in out
 
 

@@ -1,4 +1,5 @@
 """kha_compile.cli.demo_train: the demo's data, schedule and trainable set."""
+
 from __future__ import annotations
 
 import kha_compile as kc

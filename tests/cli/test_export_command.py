@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.export: `export`, its output directory, and the onnxruntime check."""
+
 from __future__ import annotations
 
 import pytest

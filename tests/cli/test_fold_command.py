@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.fold: `fold` writes a vanilla model equal to the KHA model."""
+
 from __future__ import annotations
 
 import torch

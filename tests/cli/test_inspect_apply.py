@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.inspect_apply: `inspect` and `apply`."""
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,9 @@ def test_apply_kinds_are_case_insensitive_and_none_means_no_transform(capsys, tm
 
 
 def test_config_error_is_a_clean_error_with_exit_code_2(capsys, tmp_path):
-    code, out, err = run(capsys, "apply", "tiny-llama", "--q", "none", "--k", "none", "--v", "none",
-                         "--out", str(tmp_path / "x"))
+    code, out, err = run(
+        capsys, "apply", "tiny-llama", "--q", "none", "--k", "none", "--v", "none", "--out", str(tmp_path / "x")
+    )
     assert code == 2
     assert "error:" in err and "inserts nothing" in err
     assert "Traceback" not in err + out

@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.kernels: `kernels --arch ... --json`, with compile_variants stood in for."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +39,20 @@ def _fake_aot(monkeypatch, fail_on: str = "") -> list[list[str]]:
         for arch in archs:
             for dtype in ("fp16", "bf16"):
                 ok = arch != fail_on
-                out.append(FakeRecord("mlp_value_fwd", arch, dtype, 64, {"BLOCK_M": 64, "num_warps": 4}, ok,
-                                      96 if ok else None, 0 if ok else None, 24576 if ok else None,
-                                      "" if ok else "out of shared memory"))
+                out.append(
+                    FakeRecord(
+                        "mlp_value_fwd",
+                        arch,
+                        dtype,
+                        64,
+                        {"BLOCK_M": 64, "num_warps": 4},
+                        ok,
+                        96 if ok else None,
+                        0 if ok else None,
+                        24576 if ok else None,
+                        "" if ok else "out of shared memory",
+                    )
+                )
             out.append(FakeRecord("mlp_value_bwd", arch, "fp16", 128, {"BLOCK_M": 32}, True, 168, 8, 49152))
         return out
 
@@ -60,9 +72,17 @@ def test_kernels_renders_each_kernel_and_writes_json(capsys, monkeypatch, tmp_pa
     assert "BLOCK_M=64, num_warps=4" in out and "24576" in out and "49152" in out
     records = json.loads(path.read_text())
     assert len(records) == 6 and records[0] == {
-        "kernel": "mlp_value_fwd", "arch": "sm_80", "dtype": "fp16", "head_dim": 64,
-        "config": {"BLOCK_M": 64, "num_warps": 4}, "ok": True, "registers": 96, "spills": 0,
-        "shared_bytes": 24576, "reason": ""}
+        "kernel": "mlp_value_fwd",
+        "arch": "sm_80",
+        "dtype": "fp16",
+        "head_dim": 64,
+        "config": {"BLOCK_M": 64, "num_warps": 4},
+        "ok": True,
+        "registers": 96,
+        "spills": 0,
+        "shared_bytes": 24576,
+        "reason": "",
+    }
     assert f"wrote 6 record(s) to {path}" in out
 
 

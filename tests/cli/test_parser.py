@@ -1,4 +1,5 @@
 """kha_compile.cli.parser: usage errors name the command they belong to."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,23 +10,29 @@ from kha_compile.cli import build_parser, main
 
 
 def test_usage_error_exits_2(capsys):
-    assert main(["apply", "tiny-llama"]) == 2          # --out is required
+    assert main(["apply", "tiny-llama"]) == 2  # --out is required
     err = capsys.readouterr().err
     assert err.startswith("usage: kha-compile apply") and "--out" in err
-    assert main([]) == 2                               # a command is required
+    assert main([]) == 2  # a command is required
     assert capsys.readouterr().err.startswith("usage: kha-compile [-h]")
 
 
-@pytest.mark.parametrize("argv, command", [
-    (["inspect", "tiny-llama", "--v", "mlp"], "inspect"),
-    (["fold", "tiny-llama", "--kha", "k", "--out", "o", "--mlp"], "fold"),
-    (["viz", "tiny-llama", "--kha", "k", "--bogus"], "viz"),
-])
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["inspect", "tiny-llama", "--v", "mlp"], "inspect"),
+        (["fold", "tiny-llama", "--kha", "k", "--out", "o", "--mlp"], "fold"),
+        (["viz", "tiny-llama", "--kha", "k", "--bogus"], "viz"),
+    ],
+)
 def test_unknown_flag_shows_the_usage_of_its_command(capsys, argv, command):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith(f"usage: kha-compile {command} ")
-    assert f"kha-compile {command}: error: unrecognized arguments: {' '.join(argv[-2:] if command == 'inspect' else argv[-1:])}" in err
+    assert (
+        f"kha-compile {command}: error: unrecognized arguments: {' '.join(argv[-2:] if command == 'inspect' else argv[-1:])}"
+        in err
+    )
     assert "COMMAND" not in err  # not the top-level usage
 
 

@@ -1,4 +1,5 @@
 """kha_compile.cli.commands.viz: `viz` writes one row of panels per layer."""
+
 from __future__ import annotations
 
 import pytest

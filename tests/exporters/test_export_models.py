@@ -1,4 +1,5 @@
 """Export of real architectures: folded linear KHA is free; MLP-value is one custom node per site."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,8 +66,9 @@ def test_unfolded_linear_kha_keeps_its_matmuls_and_runs_in_onnxruntime(name, tmp
     unfolded = kc.export_onnx(case.model, tmp_path / "unfolded.onnx", *case.example, fold=False)
     s_folded, s_unfolded = onnx_summary(folded), onnx_summary(unfolded)
     assert s_unfolded.num_nodes > s_folded.num_nodes
-    matmuls = [sum(n for op, n in s.op_counts.items() if op in ("MatMul", "Gemm", "Einsum"))
-               for s in (s_folded, s_unfolded)]
+    matmuls = [
+        sum(n for op, n in s.op_counts.items() if op in ("MatMul", "Gemm", "Einsum")) for s in (s_folded, s_unfolded)
+    ]
     assert matmuls[1] > matmuls[0]
     assert s_unfolded.num_custom_nodes == 0
     assert read_kha_metadata(unfolded)["folded"] is False
@@ -111,8 +113,11 @@ def test_minilm_real_weights_through_sentence_transformers(tmp_path):
     bert = st[0].auto_model
     tok = st.tokenizer
     short = tok(sentences, padding=True, return_tensors="pt")
-    longer = tok(sentences * 3 + ["a much longer sentence, with more tokens than any of the others in the batch"],
-                 padding=True, return_tensors="pt")
+    longer = tok(
+        sentences * 3 + ["a much longer sentence, with more tokens than any of the others in the batch"],
+        padding=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         want_short = bert(**short).last_hidden_state
         want_long = bert(**longer).last_hidden_state

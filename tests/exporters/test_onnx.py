@@ -1,5 +1,6 @@
 """kha_compile.exporters.onnx: custom MLPValue nodes, their function body, onnxruntime parity,
 dynamic axes, and the errors of a failed export."""
+
 import os
 import sys
 import types
@@ -31,7 +32,7 @@ DH = D // N_HEAD
 
 
 def _random_square(gen: torch.Generator, n: int) -> nn.Parameter:
-    return nn.Parameter(torch.randn(n, n, generator=gen) / n ** 0.5)
+    return nn.Parameter(torch.randn(n, n, generator=gen) / n**0.5)
 
 
 class Block(nn.Module):
@@ -52,8 +53,8 @@ class Block(nn.Module):
         q, k, v = (t.view(B, L, N_HEAD, DH).transpose(1, 2) for t in (q, k, v))  # (B, H, L, Dh)
         if self.mlp_value:
             v = torch.ops.kha.mlp_value(v, self.kha["up"], self.kha["gate"], self.kha["down"])
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)    # (B, H, L, Dh)
-        return x + self.out(y.transpose(1, 2).reshape(B, L, D))                    # (B, L, D)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, Dh)
+        return x + self.out(y.transpose(1, 2).reshape(B, L, D))  # (B, L, D)
 
 
 class Stack(nn.Module):
@@ -76,15 +77,14 @@ def _rel_err(got: np.ndarray, want: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     model = Stack()
-    path = export_onnx(model, tmp_path_factory.mktemp("onnx") / "stack.onnx",
-                       example_args=(torch.randn(2, 5, D),))
+    path = export_onnx(model, tmp_path_factory.mktemp("onnx") / "stack.onnx", example_args=(torch.randn(2, 5, D),))
     return model, path
 
 
 def test_returns_the_path_and_writes_one_file(exported):
     _, path = exported
     assert path.is_file() and path.suffix == ".onnx"
-    assert sorted(p.name for p in path.parent.iterdir()) == ["stack.onnx"]   # no external data
+    assert sorted(p.name for p in path.parent.iterdir()) == ["stack.onnx"]  # no external data
 
 
 def test_one_custom_node_per_op_call(exported):
@@ -105,10 +105,9 @@ def test_custom_node_domain_attributes_and_inputs(exported):
     for node in nodes:
         assert node.domain == MLP_VALUE_DOMAIN == "kha"
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs == {"plugin_namespace": PLUGIN_NAMESPACE.encode(),
-                         "plugin_version": PLUGIN_VERSION.encode()}
+        assert attrs == {"plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": PLUGIN_VERSION.encode()}
         assert len(node.input) == 4 and len(node.output) == 1
-        for w in node.input[1:]:                                  # the weights are (Dh, Dh)
+        for w in node.input[1:]:  # the weights are (Dh, Dh)
             assert list(initializers[w].dims) == [DH, DH]
     opsets = {o.domain: o.version for o in model.opset_import}
     assert opsets[MLP_VALUE_DOMAIN] == 1
@@ -129,20 +128,28 @@ def test_model_local_function_holds_the_decomposition(exported):
 
     h = onnx.helper
     f32 = onnx.TensorProto.FLOAT
-    node = h.make_node(MLP_VALUE_OP, list(fn.input), ["y"], domain=MLP_VALUE_DOMAIN,
-                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    node = h.make_node(
+        MLP_VALUE_OP,
+        list(fn.input),
+        ["y"],
+        domain=MLP_VALUE_DOMAIN,
+        plugin_namespace=PLUGIN_NAMESPACE,
+        plugin_version=PLUGIN_VERSION,
+    )
     shapes = {"v": [2, N_HEAD, 7, DH], "w_up": [DH, DH], "w_gate": [DH, DH], "w_down": [DH, DH]}
-    graph = h.make_graph([node], "alone", [h.make_tensor_value_info(n, f32, s)
-                                           for n, s in shapes.items()],
-                         [h.make_tensor_value_info("y", f32, shapes["v"])])
+    graph = h.make_graph(
+        [node],
+        "alone",
+        [h.make_tensor_value_info(n, f32, s) for n, s in shapes.items()],
+        [h.make_tensor_value_info("y", f32, shapes["v"])],
+    )
     alone = h.make_model(graph, opset_imports=list(model.opset_import), functions=[fn])
     inlined = onnx.inliner.inline_local_functions(alone)
     assert all(n.domain != MLP_VALUE_DOMAIN for n in inlined.graph.node) and not inlined.functions
     onnx.checker.check_model(inlined, full_check=True)
     gen = torch.Generator().manual_seed(7)
     feed = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
-    (y,) = ort.InferenceSession(inlined.SerializeToString()).run(
-        None, {n: t.numpy() for n, t in feed.items()})
+    (y,) = ort.InferenceSession(inlined.SerializeToString()).run(None, {n: t.numpy() for n, t in feed.items()})
     want = torch.ops.kha.mlp_value(*(t.double() for t in feed.values()))
     assert _rel_err(y.astype(np.float64), want) < 1e-5
     # and the function really uses every weight: zeroing one changes the result
@@ -157,14 +164,26 @@ def test_function_body_computes_the_op(dtype):
     """A one-node model, run by onnxruntime through the function, equals the torch reference."""
     h = onnx.helper
     elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    node = h.make_node(MLP_VALUE_OP, ["v", "u", "g", "w"], ["y"], domain=MLP_VALUE_DOMAIN,
-                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    node = h.make_node(
+        MLP_VALUE_OP,
+        ["v", "u", "g", "w"],
+        ["y"],
+        domain=MLP_VALUE_DOMAIN,
+        plugin_namespace=PLUGIN_NAMESPACE,
+        plugin_version=PLUGIN_VERSION,
+    )
     graph = h.make_graph(
-        [node], "one", [h.make_tensor_value_info(n, elem, s) for n, s in
-                        (("v", ["b", 3, DH]), ("u", [DH, DH]), ("g", [DH, DH]), ("w", [DH, DH]))],
-        [h.make_tensor_value_info("y", elem, ["b", 3, DH])])
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("kha", 1)],
-                         functions=[mlp_value_function(20)])
+        [node],
+        "one",
+        [
+            h.make_tensor_value_info(n, elem, s)
+            for n, s in (("v", ["b", 3, DH]), ("u", [DH, DH]), ("g", [DH, DH]), ("w", [DH, DH]))
+        ],
+        [h.make_tensor_value_info("y", elem, ["b", 3, DH])],
+    )
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("kha", 1)], functions=[mlp_value_function(20)]
+    )
     onnx.checker.check_model(model, full_check=True)
     gen = torch.Generator().manual_seed(1)
     v, u, g, w = (torch.randn(*s, generator=gen) for s in ((2, 3, DH), (DH, DH), (DH, DH), (DH, DH)))
@@ -202,7 +221,7 @@ class FixedLength(nn.Module):
         self.pos = nn.Parameter(torch.randn(1, 4, D))
 
     def forward(self, x):
-        return x + self.pos                                  # (B, 4, D)
+        return x + self.pos  # (B, 4, D)
 
 
 def test_caller_model_is_not_modified(monkeypatch, tmp_path):
@@ -212,11 +231,10 @@ def test_caller_model_is_not_modified(monkeypatch, tmp_path):
     def fake_fold(model, strict=True):
         seen["model"], seen["strict"] = model, strict
         with torch.no_grad():
-            model.kha["up"].mul_(0)           # a fold that edits weights: must not leak out
+            model.kha["up"].mul_(0)  # a fold that edits weights: must not leak out
         return "folded"
 
-    monkeypatch.setitem(sys.modules, "kha_compile.passes.fold",
-                        types.SimpleNamespace(fold=fake_fold))
+    monkeypatch.setitem(sys.modules, "kha_compile.passes.fold", types.SimpleNamespace(fold=fake_fold))
     model = Block(seed=0).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     export_onnx(model, tmp_path / "m.onnx", example_args=(torch.randn(2, 4, D),))
@@ -227,23 +245,24 @@ def test_caller_model_is_not_modified(monkeypatch, tmp_path):
 
 def test_static_export_without_fold(tmp_path):
     model = Block(seed=0).train()
-    path = export_onnx(model, tmp_path / "static.onnx", example_args=(torch.randn(2, 4, D),),
-                       dynamic=False, fold=False)
-    assert model.training                                 # eval() during export only
+    path = export_onnx(model, tmp_path / "static.onnx", example_args=(torch.randn(2, 4, D),), dynamic=False, fold=False)
+    assert model.training  # eval() during export only
     summary = onnx_summary(path)
     assert summary.inputs[0].dims == (2, 4, D) and summary.inputs[0].dynamic_axes == {}
     assert summary.num_custom_nodes == 1
 
 
-def test_a_pinned_axis_comes_out_fixed_and_a_model_without_kha_is_not_folded(
-        monkeypatch, tmp_path, caplog):
+def test_a_pinned_axis_comes_out_fixed_and_a_model_without_kha_is_not_folded(monkeypatch, tmp_path, caplog):
     folds = []
-    monkeypatch.setitem(sys.modules, "kha_compile.passes.fold",
-                        types.SimpleNamespace(fold=lambda model, strict=True: folds.append(model)))
+    monkeypatch.setitem(
+        sys.modules,
+        "kha_compile.passes.fold",
+        types.SimpleNamespace(fold=lambda model, strict=True: folds.append(model)),
+    )
     caplog.set_level("WARNING", logger="kha_compile.exporters.onnx")
     path = export_onnx(FixedLength(), tmp_path / "fixed.onnx", example_args=(torch.randn(1, 4, D),))
-    assert folds == []                                             # no KHA: no copy, no fold
-    assert onnx_summary(path).inputs[0].dims == ("batch", 4, D)    # a batch of 1 stays dynamic
+    assert folds == []  # no KHA: no copy, no fold
+    assert onnx_summary(path).inputs[0].dims == ("batch", 4, D)  # a batch of 1 stays dynamic
     (record,) = [r for r in caplog.records if "fixed size" in r.getMessage()]
     assert "'x' axis 1 (sequence)" in record.getMessage()
 
@@ -271,15 +290,14 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixel_values):
         B, C, H, W = pixel_values.shape
-        p = pixel_values.unfold(2, 4, 4).unfold(3, 4, 4)                  # (B, C, H/4, W/4, 4, 4)
+        p = pixel_values.unfold(2, 4, 4).unfold(3, 4, 4)  # (B, C, H/4, W/4, 4, 4)
         p = p.permute(0, 2, 3, 1, 4, 5).reshape(B, (H // 4) * (W // 4), C * 16)  # (B, N, C*16)
         return torch.ops.kha.mlp_value(self.proj(p), self.up, self.gate, self.down)
 
 
 def test_image_input_has_only_a_dynamic_batch(tmp_path):
     model = PatchEmbed().eval()
-    path = export_onnx(model, tmp_path / "img.onnx",
-                       example_kwargs={"pixel_values": torch.randn(2, 3, 8, 8)})
+    path = export_onnx(model, tmp_path / "img.onnx", example_kwargs={"pixel_values": torch.randn(2, 3, 8, 8)})
     summary = onnx_summary(path)
     assert summary.inputs[0].name == "pixel_values"
     assert summary.inputs[0].dims == ("batch", 3, 8, 8)
@@ -289,15 +307,18 @@ def test_image_input_has_only_a_dynamic_batch(tmp_path):
         assert _rel_err(y, model(x)) < 1e-4
 
 
-@pytest.mark.parametrize("name, ndim, axes", [
-    ("x", 3, {0: "batch", 1: "sequence"}),
-    ("input_ids", 2, {0: "batch", 1: "sequence"}),
-    ("pixel_values", 4, {0: "batch"}),
-    ("image_embeds", 3, {0: "batch"}),
-    ("attention_mask", 4, {0: "batch"}),
-    ("position_ids", 1, {}),
-    ("scale", 0, {}),
-])
+@pytest.mark.parametrize(
+    "name, ndim, axes",
+    [
+        ("x", 3, {0: "batch", 1: "sequence"}),
+        ("input_ids", 2, {0: "batch", 1: "sequence"}),
+        ("pixel_values", 4, {0: "batch"}),
+        ("image_embeds", 3, {0: "batch"}),
+        ("attention_mask", 4, {0: "batch"}),
+        ("position_ids", 1, {}),
+        ("scale", 0, {}),
+    ],
+)
 def test_dynamic_axes_for(name, ndim, axes):
     assert dynamic_axes_for(name, ndim) == axes
 
@@ -308,20 +329,26 @@ def test_transformers_model_with_kha_and_no_example_inputs(tmp_path):
     transformers = pytest.importorskip("transformers")
     import kha_compile as kc
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     kc.apply(model, kc.KHAConfig(q="linear", v="mlp"))
-    with torch.no_grad():                          # off the identity init, so parity means something
+    with torch.no_grad():  # off the identity init, so parity means something
         for name, p in model.named_parameters():
             if "kha" in name:
                 p.add_(0.2 * torch.randn_like(p))
     kha_before = [n for n, _ in model.named_parameters() if "kha" in n]
 
     path = export_onnx(model, tmp_path / "llama.onnx")
-    assert [n for n, _ in model.named_parameters() if "kha" in n] == kha_before   # not folded
+    assert [n for n, _ in model.named_parameters() if "kha" in n] == kha_before  # not folded
     summary = onnx_summary(path)
     assert summary.num_custom_nodes == cfg.num_hidden_layers
     dims = {i.name: i.dims for i in summary.inputs}
@@ -329,8 +356,7 @@ def test_transformers_model_with_kha_and_no_example_inputs(tmp_path):
     assert [str(o) for o in summary.outputs] == ["logits: float32[batch, sequence, 64]"]
     ids = torch.randint(0, 64, (3, 5))
     mask = torch.ones(3, 5, dtype=torch.long)
-    (y,) = ort.InferenceSession(str(path)).run(
-        None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    (y,) = ort.InferenceSession(str(path)).run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert _rel_err(y, want) < 1e-4
@@ -357,9 +383,15 @@ def test_unwritable_directory_is_an_export_error(tmp_path, monkeypatch):
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # root may write anywhere, so os.access says yes: let it answer as it would for a user
         real_access = os.access
-        monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: (
-            False if os.path.realpath(p) == os.path.realpath(locked) and mode & os.W_OK
-            else real_access(p, mode, *a, **k)))
+        monkeypatch.setattr(
+            os,
+            "access",
+            lambda p, mode, *a, **k: (
+                False
+                if os.path.realpath(p) == os.path.realpath(locked) and mode & os.W_OK
+                else real_access(p, mode, *a, **k)
+            ),
+        )
     try:
         with pytest.raises(ExportError, match="not writable") as info:
             export_onnx(Block(seed=0), locked / "m.onnx", example_args=(torch.randn(2, 4, D),))
@@ -370,7 +402,7 @@ def test_unwritable_directory_is_an_export_error(tmp_path, monkeypatch):
 
 class DataDependent(nn.Module):
     def forward(self, x):
-        if x.sum() > 0:                      # control flow on data: torch.export cannot trace it
+        if x.sum() > 0:  # control flow on data: torch.export cannot trace it
             return x * 2
         return x
 
@@ -392,8 +424,7 @@ class NoOnnxOp(nn.Module):
 
 def test_untranslatable_op_is_a_translation_error(tmp_path):
     with pytest.raises(ExportError) as info:
-        export_onnx(NoOnnxOp(), tmp_path / "m.onnx", example_args=(torch.randn(3, 3),),
-                    dynamic=False)
+        export_onnx(NoOnnxOp(), tmp_path / "m.onnx", example_args=(torch.randn(3, 3),), dynamic=False)
     msg = str(info.value)
     assert "step 'translation'" in msg and "linalg_eig" in msg
 

@@ -54,9 +54,7 @@ def llama(tmp_path_factory):
     case = zoo.make("llama")
     kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"))
     perturb(case.model)
-    path = kc.export_onnx(
-        case.model, tmp_path_factory.mktemp("names") / "llama.onnx", *case.example
-    )
+    path = kc.export_onnx(case.model, tmp_path_factory.mktemp("names") / "llama.onnx", *case.example)
     return case, path
 
 
@@ -64,9 +62,7 @@ def llama(tmp_path_factory):
 def bert(tmp_path_factory):
     """Tiny BERT without KHA."""
     case = zoo.make("bert")
-    path = kc.export_onnx(
-        case.model, tmp_path_factory.mktemp("names") / "bert.onnx", *case.example
-    )
+    path = kc.export_onnx(case.model, tmp_path_factory.mktemp("names") / "bert.onnx", *case.example)
     return case, path
 
 
@@ -208,9 +204,7 @@ class Named(nn.Module):
 
 def test_plain_tensor_output_is_named_output(tmp_path):
     model = Plain().eval()
-    path = kc.export_onnx(
-        model, tmp_path / "plain.onnx", example_args=(torch.randn(2, 3, 8),)
-    )
+    path = kc.export_onnx(model, tmp_path / "plain.onnx", example_args=(torch.randn(2, 3, 8),))
     assert axes(path) == {
         "x": ("batch", "sequence", 8),
         "output": ("batch", "sequence", 8),
@@ -233,10 +227,7 @@ def test_tuple_outputs_are_numbered_and_names_can_be_overridden(tmp_path):
         input_names=["features", "residual"],
         output_names=["mixed", "skip"],
     )
-    assert axes(path) == {
-        name: ("batch", "sequence", 8)
-        for name in ("features", "residual", "mixed", "skip")
-    }
+    assert axes(path) == {name: ("batch", "sequence", 8) for name in ("features", "residual", "mixed", "skip")}
     x, y = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
     got = ort_outputs(path, {"features": x, "residual": y})
     with torch.no_grad():
@@ -248,9 +239,7 @@ def test_tuple_outputs_are_numbered_and_names_can_be_overridden(tmp_path):
 
 def test_swapped_input_names(tmp_path):
     model = Pair().eval()
-    path = kc.export_onnx(
-        model, tmp_path / "swap.onnx", example_args=two_inputs(), input_names=["y", "x"]
-    )
+    path = kc.export_onnx(model, tmp_path / "swap.onnx", example_args=two_inputs(), input_names=["y", "x"])
     x, y = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
     got = ort_outputs(path, {"y": x, "x": y})  # graph input "y" is forward's x
     with torch.no_grad():
@@ -258,9 +247,7 @@ def test_swapped_input_names(tmp_path):
 
 
 def test_dict_output_keys_name_the_outputs(tmp_path):
-    path = kc.export_onnx(
-        Named(), tmp_path / "dict.onnx", example_args=(torch.randn(2, 3, 8),)
-    )
+    path = kc.export_onnx(Named(), tmp_path / "dict.onnx", example_args=(torch.randn(2, 3, 8),))
     assert axes(path) == {
         "x": ("batch", "sequence", 8),
         "scores": ("batch", "sequence", 8),
@@ -305,9 +292,5 @@ def test_wrong_names_are_an_export_names_error(tmp_path, kw, names, match):
 
 def test_names_error_on_a_transformers_model_lists_its_fields(tmp_path):
     case = zoo.make("bert")
-    with pytest.raises(
-        ExportNamesError, match="has 2 output\\(s\\): last_hidden_state, pooler_output"
-    ):
-        kc.export_onnx(
-            case.model, tmp_path / "b.onnx", *case.example, output_names=["hidden"]
-        )
+    with pytest.raises(ExportNamesError, match="has 2 output\\(s\\): last_hidden_state, pooler_output"):
+        kc.export_onnx(case.model, tmp_path / "b.onnx", *case.example, output_names=["hidden"])

@@ -1,6 +1,7 @@
 """kha_compile.exporters.tensorrt: the plugin's shape/type rules, the profile and precision plan,
 the plugin wiring (against a stand-in tensorrt.plugin), the errors without TensorRT, and, on a
 machine with TensorRT and an NVIDIA GPU, the engine itself."""
+
 import importlib.util
 import inspect
 import sys
@@ -26,29 +27,38 @@ from kha_compile.exporters.tensorrt import (
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 NEEDS_TRT = pytest.mark.skipif(
-    not HAVE_TRT, reason="needs TensorRT (pip install tensorrt, >= 10.7) and an NVIDIA GPU; "
-                         "benchmarks/gpu_check.py runs the same check on such a machine")
+    not HAVE_TRT,
+    reason="needs TensorRT (pip install tensorrt, >= 10.7) and an NVIDIA GPU; "
+    "benchmarks/gpu_check.py runs the same check on such a machine",
+)
 
 
 # ---- the plugin's shape and type rules ------------------------------------------------------
 
-@pytest.mark.parametrize("shapes, out", [
-    ([(2, 4, 16, 8), (8, 8), (8, 8), (8, 8)], (2, 4, 16, 8)),
-    ([(None, 4, None, 64), (64, 64), (64, 64), (64, 64)], (None, 4, None, 64)),
-    ([(5, 8), (8, None), (None, 8), (8, 8)], (5, 8)),          # unknown weight dims are fine
-    ([(3, None), (8, 8), (8, 8), (8, 8)], (3, None)),           # unknown d: weights decide later
-])
+
+@pytest.mark.parametrize(
+    "shapes, out",
+    [
+        ([(2, 4, 16, 8), (8, 8), (8, 8), (8, 8)], (2, 4, 16, 8)),
+        ([(None, 4, None, 64), (64, 64), (64, 64), (64, 64)], (None, 4, None, 64)),
+        ([(5, 8), (8, None), (None, 8), (8, 8)], (5, 8)),  # unknown weight dims are fine
+        ([(3, None), (8, 8), (8, 8), (8, 8)], (3, None)),  # unknown d: weights decide later
+    ],
+)
 def test_output_shape_is_that_of_v(shapes, out):
     assert mlp_value_output_shape(shapes) == out
 
 
-@pytest.mark.parametrize("shapes, match", [
-    ([(2, 8), (8, 4), (8, 8), (8, 8)], "w_up has shape"),
-    ([(2, 8), (8, 8), (8, 8), (4, 4)], "w_down has shape"),
-    ([(2, 8), (8, 8), (8, 8, 1), (8, 8)], "w_gate must be a"),
-    ([(), (8, 8), (8, 8), (8, 8)], "scalar"),
-    ([(2, 8), (8, 8), (8, 8)], "4 inputs"),
-])
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        ([(2, 8), (8, 4), (8, 8), (8, 8)], "w_up has shape"),
+        ([(2, 8), (8, 8), (8, 8), (4, 4)], "w_down has shape"),
+        ([(2, 8), (8, 8), (8, 8, 1), (8, 8)], "w_gate must be a"),
+        ([(), (8, 8), (8, 8), (8, 8)], "scalar"),
+        ([(2, 8), (8, 8), (8, 8)], "4 inputs"),
+    ],
+)
 def test_output_shape_rejects_bad_inputs(shapes, match):
     with pytest.raises(OpInputError, match=match):
         mlp_value_output_shape(shapes)
@@ -59,11 +69,14 @@ def test_output_dtype_is_the_shared_input_type(dtype):
     assert mlp_value_output_dtype([dtype] * 4) == dtype
 
 
-@pytest.mark.parametrize("dtypes, match", [
-    (["float16", "float32", "float16", "float16"], "one type"),
-    (["int32"] * 4, "supports"),
-    (["float32"] * 3, "4 inputs"),
-])
+@pytest.mark.parametrize(
+    "dtypes, match",
+    [
+        (["float16", "float32", "float16", "float16"], "one type"),
+        (["int32"] * 4, "supports"),
+        (["float32"] * 3, "4 inputs"),
+    ],
+)
 def test_output_dtype_rejects_bad_inputs(dtypes, match):
     with pytest.raises(OpInputError, match=match):
         mlp_value_output_dtype(dtypes)
@@ -71,9 +84,11 @@ def test_output_dtype_rejects_bad_inputs(dtypes, match):
 
 # ---- optimization profile ----------------------------------------------------------------------
 
-INPUTS = [TensorInfo("input_ids", "int64", ("batch", "seq")),
-          TensorInfo("attention_mask", "int64", ("attention_mask_batch", "seq")),
-          TensorInfo("scale", "float32", (4,))]
+INPUTS = [
+    TensorInfo("input_ids", "int64", ("batch", "seq")),
+    TensorInfo("attention_mask", "int64", ("attention_mask_batch", "seq")),
+    TensorInfo("scale", "float32", (4,)),
+]
 
 
 def _check_profile_invariants(inputs, shapes):
@@ -89,9 +104,9 @@ def _check_profile_invariants(inputs, shapes):
             if isinstance(dim, int):
                 assert lo[axis] == opt[axis] == hi[axis] == dim
             else:
-                key = dim.split("_")[-1]                      # "attention_mask_batch" is a batch dim
+                key = dim.split("_")[-1]  # "attention_mask_batch" is a batch dim
                 by_name.setdefault(key, set()).add((lo[axis], opt[axis], hi[axis]))
-    assert all(len(r) == 1 for r in by_name.values()), by_name   # inputs agree on a shared dim
+    assert all(len(r) == 1 for r in by_name.values()), by_name  # inputs agree on a shared dim
     return {k: r.pop() for k, r in by_name.items()}
 
 
@@ -110,7 +125,8 @@ def test_profile_entry_wins_over_dim_ranges():
     shapes = profile_shapes(INPUTS, profile={"input_ids": entry}, dim_ranges={"seq": (7, 11, 13)})
     assert shapes["input_ids"] == entry
     assert {k: v for k, v in shapes.items() if k != "input_ids"} == {
-        k: v for k, v in free.items() if k != "input_ids"}          # the other inputs are untouched
+        k: v for k, v in free.items() if k != "input_ids"
+    }  # the other inputs are untouched
 
 
 def test_profile_shapes_run_the_exported_model(attention_onnx):
@@ -123,23 +139,25 @@ def test_profile_shapes_run_the_exported_model(attention_onnx):
     shapes = profile_shapes(inputs, dim_ranges={"batch": (1, 2, 3), "seq": (1, 6, 9)})
     _check_profile_invariants(inputs, shapes)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for k in range(3):                                              # min, opt, max
-        feed = {name: np.random.default_rng(k).standard_normal(s[k]).astype(np.float32)
-                for name, s in shapes.items()}
+    for k in range(3):  # min, opt, max
+        feed = {name: np.random.default_rng(k).standard_normal(s[k]).astype(np.float32) for name, s in shapes.items()}
         (got,) = session.run(None, feed)
         with torch.no_grad():
             want = model(torch.from_numpy(feed["x"]))
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("inputs, kwargs, match", [
-    ([TensorInfo("x", "float32", ("tokens", 8))], {}, "has no range"),
-    ([TensorInfo("x", "float32", (None, 8))], {}, "has no range"),
-    (INPUTS, {"profile": {"nope": ((1,), (1,), (1,))}}, "does not have"),
-    (INPUTS, {"profile": {"input_ids": ((4, 1), (2, 8), (8, 8))}}, "min <= opt <= max"),
-    (INPUTS, {"profile": {"scale": ((3,), (4,), (4,))}}, "fixed at 4"),
-    (INPUTS, {"profile": {"input_ids": ((1,), (1,), (1,))}}, "must each have 2 dims"),
-])
+@pytest.mark.parametrize(
+    "inputs, kwargs, match",
+    [
+        ([TensorInfo("x", "float32", ("tokens", 8))], {}, "has no range"),
+        ([TensorInfo("x", "float32", (None, 8))], {}, "has no range"),
+        (INPUTS, {"profile": {"nope": ((1,), (1,), (1,))}}, "does not have"),
+        (INPUTS, {"profile": {"input_ids": ((4, 1), (2, 8), (8, 8))}}, "min <= opt <= max"),
+        (INPUTS, {"profile": {"scale": ((3,), (4,), (4,))}}, "fixed at 4"),
+        (INPUTS, {"profile": {"input_ids": ((1,), (1,), (1,))}}, "must each have 2 dims"),
+    ],
+)
 def test_profile_errors(inputs, kwargs, match):
     with pytest.raises(ExportError, match=match):
         profile_shapes(inputs, **kwargs)
@@ -154,24 +172,31 @@ def test_min_opt_max_dicts_merge_into_one_profile():
 
 # ---- precision plan ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("precision, onnx_dtype, weak, plan", [
-    ("fp32", "float32", True, BuildPlan(True, None, False)),
-    ("fp16", "float16", False, BuildPlan(True, None, True)),
-    ("bf16", "bfloat16", False, BuildPlan(True, None, True)),
-    ("fp16", "float32", True, BuildPlan(False, "FP16", True)),
-    ("bf16", "float32", True, BuildPlan(False, "BF16", True)),
-    ("fp16", None, False, BuildPlan(True, None, True)),
-])
+
+@pytest.mark.parametrize(
+    "precision, onnx_dtype, weak, plan",
+    [
+        ("fp32", "float32", True, BuildPlan(True, None, False)),
+        ("fp16", "float16", False, BuildPlan(True, None, True)),
+        ("bf16", "bfloat16", False, BuildPlan(True, None, True)),
+        ("fp16", "float32", True, BuildPlan(False, "FP16", True)),
+        ("bf16", "float32", True, BuildPlan(False, "BF16", True)),
+        ("fp16", None, False, BuildPlan(True, None, True)),
+    ],
+)
 def test_build_plan(precision, onnx_dtype, weak, plan):
     assert build_plan(precision, onnx_dtype, weak) == plan
 
 
-@pytest.mark.parametrize("precision, onnx_dtype, weak, match", [
-    ("fp8", "float32", True, "one of fp32, fp16, bf16"),
-    ("fp16", "float32", False, "strongly typed networks only"),
-    ("fp32", "float16", True, "does not fit"),
-    ("fp16", "bfloat16", True, "precision='bf16'"),
-])
+@pytest.mark.parametrize(
+    "precision, onnx_dtype, weak, match",
+    [
+        ("fp8", "float32", True, "one of fp32, fp16, bf16"),
+        ("fp16", "float32", False, "strongly typed networks only"),
+        ("fp32", "float16", True, "does not fit"),
+        ("fp16", "bfloat16", True, "precision='bf16'"),
+    ],
+)
 def test_build_plan_errors(precision, onnx_dtype, weak, match):
     with pytest.raises(ExportError, match=match):
         build_plan(precision, onnx_dtype, weak)
@@ -179,14 +204,19 @@ def test_build_plan_errors(precision, onnx_dtype, weak, match):
 
 # ---- without TensorRT / without a GPU --------------------------------------------------------
 
+
 @pytest.fixture
 def onnx_file(tmp_path):
     """A tiny hand-built ONNX file (no torch export needed for the error paths)."""
     import onnx
+
     h = onnx.helper
-    graph = h.make_graph([h.make_node("Relu", ["x"], ["y"])], "g",
-                         [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 8])],
-                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", 8])])
+    graph = h.make_graph(
+        [h.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 8])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", 8])],
+    )
     path = tmp_path / "m.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)]), str(path))
     return path
@@ -197,7 +227,7 @@ def test_onnx_float_dtype(onnx_file):
 
 
 def test_no_tensorrt_is_backend_unavailable_with_install_advice(monkeypatch, onnx_file, tmp_path):
-    monkeypatch.setitem(sys.modules, "tensorrt", None)            # import tensorrt -> ImportError
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
     with pytest.raises(BackendUnavailableError) as info:
         export_tensorrt(onnx_file, tmp_path / "m.engine")
     msg = str(info.value)
@@ -218,13 +248,16 @@ def test_no_gpu_is_backend_unavailable_naming_the_gpu(monkeypatch, onnx_file, tm
         export_tensorrt(onnx_file, tmp_path / "m.engine")
     msg = str(info.value)
     assert "torch.cuda.is_available() is False" in msg
-    assert "`tensorrt` Python package" not in msg                    # tensorrt is there
+    assert "`tensorrt` Python package" not in msg  # tensorrt is there
 
 
-@pytest.mark.parametrize("call", [
-    lambda: run_engine("m.engine", {}),
-    lambda: register_mlp_value_plugin(),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: run_engine("m.engine", {}),
+        lambda: register_mlp_value_plugin(),
+    ],
+)
 def test_run_and_register_need_tensorrt(monkeypatch, call):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     monkeypatch.setattr(trt_plugin, "_PLUGIN_REGISTERED", False)
@@ -248,11 +281,17 @@ def test_bad_engine_directory_names_the_path(onnx_file, tmp_path):
 
 def test_profile_errors_come_before_the_backend_check(onnx_file, tmp_path):
     with pytest.raises(ExportError, match="min <= opt <= max"):
-        export_tensorrt(onnx_file, tmp_path / "m.engine", min_shapes={"x": (2, 1, 8)},
-                        opt_shapes={"x": (1, 1, 8)}, max_shapes={"x": (4, 4, 8)})
+        export_tensorrt(
+            onnx_file,
+            tmp_path / "m.engine",
+            min_shapes={"x": (2, 1, 8)},
+            opt_shapes={"x": (1, 1, 8)},
+            max_shapes={"x": (4, 4, 8)},
+        )
 
 
 # ---- the plugin wiring, against a stand-in tensorrt.plugin -----------------------------------
+
 
 class _Expr:
     """Stand-in for tensorrt.plugin.ShapeExpr: a constant, or a build-time unknown (None)."""
@@ -293,7 +332,9 @@ def fake_plugin_api(monkeypatch):
             def wrap(fn):
                 registered[kind, plugin_id] = fn
                 return fn
+
             return wrap
+
         return factory
 
     for kind in ("register", "autotune", "impl"):
@@ -308,8 +349,10 @@ def fake_plugin_api(monkeypatch):
 
 def test_plugin_registers_descriptor_autotune_and_impl(fake_plugin_api):
     register_mlp_value_plugin()
-    assert set(fake_plugin_api) == {("register", PLUGIN_ID), ("autotune", PLUGIN_ID),
-                                    ("impl", PLUGIN_ID)} and PLUGIN_ID == "kha::MLPValue"
+    assert (
+        set(fake_plugin_api) == {("register", PLUGIN_ID), ("autotune", PLUGIN_ID), ("impl", PLUGIN_ID)}
+        and PLUGIN_ID == "kha::MLPValue"
+    )
     desc = fake_plugin_api["register", PLUGIN_ID]
     # tensorrt.plugin.register reads real classes from the annotations
     params = inspect.signature(desc).parameters
@@ -325,8 +368,7 @@ def test_plugin_registers_descriptor_autotune_and_impl(fake_plugin_api):
     (combo,) = fake_plugin_api["autotune", PLUGIN_ID](v, None, None, None, None)
     assert combo == (", ".join(["FP32|FP16|BF16"] * 5), "LINEAR")
     impl = fake_plugin_api["impl", PLUGIN_ID]
-    assert list(inspect.signature(impl).parameters) == [
-        "v", "w_up", "w_gate", "w_down", "outputs", "stream"]
+    assert list(inspect.signature(impl).parameters) == ["v", "w_up", "w_gate", "w_down", "outputs", "stream"]
 
 
 def test_plugin_registers_once(fake_plugin_api):
@@ -338,6 +380,7 @@ def test_plugin_registers_once(fake_plugin_api):
 
 # ---- the engine (TensorRT + NVIDIA GPU only) -----------------------------------------------------
 
+
 class _TwoLayers(torch.nn.Module):
     """Two attention layers whose value heads go through kha::mlp_value (non-identity weights)."""
 
@@ -346,16 +389,18 @@ class _TwoLayers(torch.nn.Module):
         gen = torch.Generator().manual_seed(0)
         self.n_head, self.dh = n_head, d // n_head
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
-        self.w = torch.nn.Parameter(torch.randn(2, 3, self.dh, self.dh, generator=gen) / self.dh ** 0.5)
+        self.w = torch.nn.Parameter(torch.randn(2, 3, self.dh, self.dh, generator=gen) / self.dh**0.5)
 
     def forward(self, x):
         B, L, D = x.shape
         for i, qkv in enumerate(self.qkv):
-            q, k, v = (t.view(B, L, self.n_head, self.dh).transpose(1, 2)        # (B, H, L, Dh)
-                       for t in qkv(x).split(D, dim=-1))
+            q, k, v = (
+                t.view(B, L, self.n_head, self.dh).transpose(1, 2)  # (B, H, L, Dh)
+                for t in qkv(x).split(D, dim=-1)
+            )
             v = torch.ops.kha.mlp_value(v, self.w[i, 0], self.w[i, 1], self.w[i, 2])
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v)         # (B, H, L, Dh)
-            x = x + y.transpose(1, 2).reshape(B, L, D)                            # (B, L, D)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, L, Dh)
+            x = x + y.transpose(1, 2).reshape(B, L, D)  # (B, L, D)
         return x
 
 
@@ -365,8 +410,7 @@ def attention_onnx(tmp_path_factory):
     from kha_compile.exporters.onnx import export_onnx
 
     model = _TwoLayers().eval()
-    path = export_onnx(model, tmp_path_factory.mktemp("trt") / "two.onnx",
-                       example_args=(torch.randn(2, 5, 32),))
+    path = export_onnx(model, tmp_path_factory.mktemp("trt") / "two.onnx", example_args=(torch.randn(2, 5, 32),))
     return model, path, 32
 
 
@@ -375,8 +419,9 @@ def attention_onnx(tmp_path_factory):
 @pytest.mark.parametrize("shape", [(2, 5), (3, 17)])
 def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
     model, onnx_path, d = attention_onnx
-    engine = export_tensorrt(onnx_path, tmp_path / "fp32.engine", precision="fp32",
-                             dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
+    engine = export_tensorrt(
+        onnx_path, tmp_path / "fp32.engine", precision="fp32", dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)}
+    )
     x = torch.randn(*shape, d)
     (y,) = run_engine(engine, {"x": x}).values()
     with torch.no_grad():
@@ -388,7 +433,10 @@ def test_fp32_engine_matches_torch(attention_onnx, tmp_path, shape):
 @NEEDS_TRT
 def test_engine_uses_the_plugin(attention_onnx, tmp_path, caplog):
     caplog.set_level("INFO", logger="kha_compile.exporters.tensorrt")
-    export_tensorrt(attention_onnx[1], tmp_path / "fp16.engine", precision="fp16",
-                    dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)})
-    assert any("2 of 2 MLPValue nodes as kha::MLPValue plugins" in r.getMessage()
-               for r in caplog.records)
+    export_tensorrt(
+        attention_onnx[1],
+        tmp_path / "fp16.engine",
+        precision="fp16",
+        dim_ranges={"batch": (1, 2, 4), "sequence": (1, 8, 32)},
+    )
+    assert any("2 of 2 MLPValue nodes as kha::MLPValue plugins" in r.getMessage() for r in caplog.records)

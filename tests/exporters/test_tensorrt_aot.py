@@ -6,6 +6,7 @@ that grid and argument order against the op's formula; the aot_impl is driven th
 ``tensorrt.plugin``; the ONNX marking is checked on a real export. With TensorRT and a GPU, the
 engine built with the AOT implementation is compared with torch.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,6 +30,7 @@ HAVE_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_av
 
 # ---- extents and grid ----------------------------------------------------------------------------
 
+
 def test_extents_of_concrete_and_symbolic_shapes():
     assert taot.plugin_extents((2, 8, 128, 64)) == (2048, 64)
     assert taot.plugin_extents((5, 32)) == (5, 32)
@@ -44,7 +46,7 @@ def test_extents_of_concrete_and_symbolic_shapes():
 def test_grid_covers_every_row_once(M):
     (gx, gy, gz) = taot.launch_grid(M, 64)
     assert (gy, gz) == (1, 1)
-    assert (gx - 1) * 64 < M <= gx * 64          # the last program has rows, one more would not
+    assert (gx - 1) * 64 < M <= gx * 64  # the last program has rows, one more would not
 
 
 def test_symbolic_grid_evaluates_like_the_concrete_one():
@@ -60,6 +62,7 @@ def test_symbolic_grid_evaluates_like_the_concrete_one():
 
 
 # ---- the compiled kernel -------------------------------------------------------------------------
+
 
 @needs_triton
 @pytest.mark.parametrize("dtype, d", [("fp16", 64), ("bf16", 128), ("float32", 32)])
@@ -98,18 +101,20 @@ def test_plugin_kernel_computes_mlp_value_with_that_grid(monkeypatch, shape):
     g = torch.Generator().manual_seed(0)
     d = shape[-1]
     v = torch.randn(*shape, generator=g)
-    ws = [torch.randn(d, d, generator=g) / d ** 0.5 for _ in range(3)]
+    ws = [torch.randn(d, d, generator=g) / d**0.5 for _ in range(3)]
     y = torch.full_like(v, float("nan"))
     M, _ = taot.plugin_extents(v.shape)
     block_m = 16
     kernel = km._build_kernels(interpret=True, autotune=False).fwd_plugin
     args = dict(zip(taot.PLUGIN_ARGS, (v, *ws, M, y)))
-    kernel[taot.launch_grid(M, block_m)](*(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km.padded_d(d),
-                                          BLOCK_M=block_m, PRECISION="ieee")
+    kernel[taot.launch_grid(M, block_m)](
+        *(args[n] for n in taot.PLUGIN_ARGS), d=d, D=km.padded_d(d), BLOCK_M=block_m, PRECISION="ieee"
+    )
     torch.testing.assert_close(y, mlp_value_reference(v, *ws), rtol=1e-5, atol=1e-5)
 
 
 # ---- aot_impl through a stand-in tensorrt.plugin -------------------------------------------------
+
 
 class _Expr:
     """Stand-in for tensorrt.plugin.ShapeExpr, over sympy."""
@@ -139,7 +144,7 @@ def fake_trt(monkeypatch):
     plugin = types.ModuleType("tensorrt.plugin")
     registered = {}
     for kind in ("register", "autotune", "impl", "aot_impl"):
-        setattr(plugin, kind, lambda pid, kind=kind: (lambda fn: registered.setdefault((kind, pid), fn)))
+        setattr(plugin, kind, lambda pid, kind=kind: lambda fn: registered.setdefault((kind, pid), fn))
     plugin.TensorDesc = _Desc
     plugin.AutoTuneCombination = lambda *a: a
     plugin.KernelLaunchParams = type("KernelLaunchParams", (), {})
@@ -173,7 +178,7 @@ def test_aot_impl_returns_name_ptx_launch_params_and_symbolic_m(fake_trt):
     kind, m_expr, block_m = params.grid_x
     assert kind == "cdiv" and block_m == k.block_m and sympy.simplify(m_expr.e - 4 * B * L) == 0
     assert params.block_x == k.block[0] and k.block[1:] == (1, 1) and taot.launch_grid(7, 16)[1:] == (1, 1)
-    assert not hasattr(params, "grid_y") and not hasattr(params, "block_y")   # TensorRT's defaults (1)
+    assert not hasattr(params, "grid_y") and not hasattr(params, "block_y")  # TensorRT's defaults (1)
     assert params.shared_mem == k.shared_bytes
     # the one scalar argument, M, as a SymInt32 of the same expression
     (tag, (sym,)) = extra
@@ -197,6 +202,7 @@ def test_without_aot_impl_the_plugin_stays_jit(fake_trt):
 
 
 # ---- ONNX marking --------------------------------------------------------------------------------
+
 
 def _mlp_onnx(tmp_path, d, with_model=False):
     import kha_compile  # noqa: F401
@@ -226,11 +232,12 @@ def test_mark_aot_nodes(tmp_path, d, marked):
     aot = [a for a in nodes[0].attribute if a.name == "aot"]
     assert [a.i for a in aot] == ([1] if marked else [])
     assert {a.name for a in nodes[0].attribute} >= {"plugin_namespace", "plugin_version"}
-    taot.mark_aot_nodes(model)                       # idempotent: still one attribute
+    taot.mark_aot_nodes(model)  # idempotent: still one attribute
     assert len([a for a in nodes[0].attribute if a.name == "aot"]) == marked
 
 
 # ---- the engine (TensorRT >= 10.10 + NVIDIA GPU only) ------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TRT, reason="needs TensorRT (>= 10.10 for aot_impl) and an NVIDIA GPU")
@@ -240,12 +247,12 @@ def test_aot_engine_matches_torch(tmp_path, caplog):
     caplog.set_level("INFO", logger="kha_compile.exporters.tensorrt")
 
     net, onnx_path = _mlp_onnx(tmp_path, 64, with_model=True)
-    engine = export_tensorrt(onnx_path, tmp_path / "m.engine", precision="fp32", aot=True,
-                             dim_ranges={"batch": (1, 1, 2)})
-    x = torch.randn(2, 2, 3, 64)                                  # (batch, 2, 3, 64): batch is dynamic
+    engine = export_tensorrt(
+        onnx_path, tmp_path / "m.engine", precision="fp32", aot=True, dim_ranges={"batch": (1, 1, 2)}
+    )
+    x = torch.randn(2, 2, 3, 64)  # (batch, 2, 3, 64): batch is dynamic
     (y,) = run_engine(engine, {"x": x}).values()
     with torch.no_grad():
         want = net(x)
     assert float((y - want).abs().max() / want.abs().max()) < 1e-4
-    assert any("1 of 1 MLPValue nodes use the AOT plugin implementation" in r.getMessage()
-               for r in caplog.records)
+    assert any("1 of 1 MLPValue nodes use the AOT plugin implementation" in r.getMessage() for r in caplog.records)

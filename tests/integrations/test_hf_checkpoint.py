@@ -1,4 +1,5 @@
 """transformers checkpoints of KHA models: save_pretrained -> from_pretrained -> kc.load_pretrained, Trainer resume."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def test_config_records_kha_and_fold_drops_it():
     model = tiny.make("tiny-llama")
     assert not hasattr(model.config, "kha_compile")
     kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
-    assert model.config.kha_compile == {"version": model.config.kha_compile["version"], "q": "linear", "k": None,
-                                        "v": "linear", "strategy": "auto"}
+    assert model.config.kha_compile == {
+        "version": model.config.kha_compile["version"],
+        "q": "linear",
+        "k": None,
+        "v": "linear",
+        "strategy": "auto",
+    }
     assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
     kc.fold(model)
     assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
@@ -73,9 +79,19 @@ def _trainer(model, out, max_steps):
 
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, tiny.VOCAB, (16, 8), generator=gen)]
-    args = TrainingArguments(str(out), max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
-                             learning_rate=1e-2, report_to=[], use_cpu=True, seed=0, data_seed=0,
-                             logging_strategy="no", lr_scheduler_type="constant")
+    args = TrainingArguments(
+        str(out),
+        max_steps=max_steps,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        logging_strategy="no",
+        lr_scheduler_type="constant",
+    )
     return Trainer(model=model, args=args, train_dataset=data)
 
 
@@ -96,9 +112,11 @@ def test_trainer_resume_matches_uninterrupted_run(tmp_path):
     assert any((p - torch.eye(p.shape[0])).abs().max() > 1e-4 for n, p in want.items() if n.endswith("up"))
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=0)
-    torch.testing.assert_close(resumed.eval()(input_ids=IDS).logits, full.eval()(input_ids=IDS).logits,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        resumed.eval()(input_ids=IDS).logits, full.eval()(input_ids=IDS).logits, atol=1e-5, rtol=0
+    )
     # the Trainer's own checkpoint restores into a fresh model with kc.load_pretrained
-    restored = kc.load_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "part" / "checkpoint-4"),
-                                  tmp_path / "part" / "checkpoint-4")
+    restored = kc.load_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "part" / "checkpoint-4"), tmp_path / "part" / "checkpoint-4"
+    )
     assert torch.equal(restored.eval()(input_ids=IDS).logits, resumed(input_ids=IDS).logits)

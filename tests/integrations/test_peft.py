@@ -1,4 +1,5 @@
 """PEFT LoRA with KHA: T(Wx + BAx) in both orders, merge/fold commute, trainability, canonical keys."""
+
 from __future__ import annotations
 
 import copy
@@ -49,8 +50,11 @@ def _reference(p, cfg) -> torch.Tensor:
     merged = merged.merge_and_unload()
     base.load_state_dict(merged.state_dict())
     kc.apply(base, cfg)
-    state = {k.replace("base_model.model.", "").replace(".base_layer.", "."): v for k, v in p.state_dict().items()
-             if ".kha." in k}
+    state = {
+        k.replace("base_model.model.", "").replace(".base_layer.", "."): v
+        for k, v in p.state_dict().items()
+        if ".kha." in k
+    }
     base.load_state_dict(state, strict=False)
     assert set(state) == set(kha_params(base))
     return base(input_ids=IDS).logits
@@ -142,9 +146,10 @@ def test_canonical_checkpoint_loads_into_plain_and_peft_models(order, tmp_path):
     assert keys == set(kha_params(plain))
     kc.backend(from_pretrained=tmp_path, model=tiny.make("tiny-llama"))  # deploy mode validates names now
     fresh = kc.load_pretrained(tiny.make("tiny-llama"), tmp_path)
-    torch.testing.assert_close(kha_params(fresh)["model.layers.0.self_attn.v_proj.kha.v.up"],
-                               dict(p.named_parameters())[
-                                   "base_model.model.model.layers.0.self_attn.v_proj.kha.v.up"])
+    torch.testing.assert_close(
+        kha_params(fresh)["model.layers.0.self_attn.v_proj.kha.v.up"],
+        dict(p.named_parameters())["base_model.model.model.layers.0.self_attn.v_proj.kha.v.up"],
+    )
     # into a PEFT model: canonical keys map back onto the wrappers
     target = _lora(tiny.make("tiny-llama"))
     src = dict(p.named_parameters())

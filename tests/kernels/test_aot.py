@@ -4,6 +4,7 @@ The fast tests compile a few variants for sm_90 and read registers, spills and s
 the slow test sweeps every variant for sm_90 and holds the goals: no spills at head dim <= 128,
 shared memory within the architecture's per-block limit.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,9 @@ import pytest
 from kha_compile.errors import KernelCompileError
 from kha_compile.kernels import aot
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not importable (pip install triton)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not importable (pip install triton)"
+)
 
 FIELDS = {"kernel", "arch", "dtype", "head_dim", "config", "ok", "registers", "spills", "shared_bytes", "reason"}
 

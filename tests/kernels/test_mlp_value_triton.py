@@ -3,6 +3,7 @@
 The kernels are built on first use, per mode, so setting TRITON_INTERPRET=1 in a fixture (before the
 first launch in this module) is enough; the variable is restored afterwards.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -148,8 +149,13 @@ def test_backward_matches_formula(M, d, dtype):
 @needs_triton
 @pytest.mark.parametrize(
     "d,block_n,dtype,rows",
-    [(64, 32, torch.float32, 45), (64, 16, torch.float32, 45), (128, 128, torch.float32, 45),
-     (24, 16, torch.float32, 45), (128, None, torch.float16, 33)],
+    [
+        (64, 32, torch.float32, 45),
+        (64, 16, torch.float32, 45),
+        (128, 128, torch.float32, 45),
+        (24, 16, torch.float32, 45),
+        (128, None, torch.float16, 33),
+    ],
     ids=["d64-split32", "d64-split16", "d128-fused", "d24-split", "d128-fp16-default"],
 )
 def test_backward_fused_and_split_paths(d, block_n, dtype, rows):
@@ -267,8 +273,7 @@ def test_autotuned_launch_path(monkeypatch, M, d):
     for kind in kinds:  # each launch went through its own tuner, which benchmarked every config
         cls = km.config_class(kind, km.padded_d(d), torch.bfloat16)
         assert tuned.tuner(kind, cls).best_config is not None, kind
-    assert len(benched) == sum(len(km.CONFIGS[(k, km.config_class(k, km.padded_d(d), torch.bfloat16))])
-                               for k in kinds)
+    assert len(benched) == sum(len(km.CONFIGS[(k, km.config_class(k, km.padded_d(d), torch.bfloat16))]) for k in kinds)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ The op's counts are checked against counts by hand and against FlopCounterMode o
 formula; a Llama training step at the shape of issue 9 (8192 tokens) is counted on the meta device
 and its ratio to the same step without KHA checked against the ratio derived from the config.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -77,8 +78,15 @@ def test_llama_training_step_at_8192_tokens_on_meta():
     """Issue 9's shape: hidden 1024, 8 q / 4 kv heads of 128; batch 4 x seq 2048; 2 layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=128, vocab_size=8192)
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=8192,
+    )
     B, L = 4, 2048
 
     def step(model) -> int:

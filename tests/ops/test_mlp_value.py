@@ -1,4 +1,5 @@
 """Tests for kha_compile/ops/mlp_value.py: ``kha::mlp_value`` and ``kha::mlp_value_backward`` on CPU."""
+
 from __future__ import annotations
 
 import pytest

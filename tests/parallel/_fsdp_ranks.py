@@ -1,7 +1,8 @@
 """Rank script of tests/parallel/test_fsdp.py (run under torchrun; asserts inside, prints OK lines).
 
-    torchrun --standalone --nproc_per_node=2 tests/parallel/_fsdp_ranks.py OUT_DIR
+torchrun --standalone --nproc_per_node=2 tests/parallel/_fsdp_ranks.py OUT_DIR
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -114,6 +115,7 @@ def main(out: pathlib.Path) -> None:
 
         def refuse(*args, **kwargs):
             raise AssertionError("a rank other than 0 wrote the checkpoint")
+
         safetensors.torch.save_file = refuse
     kc.save_pretrained(model, out / "kha")
     written = sorted(p.name for p in (out / "kha").iterdir())

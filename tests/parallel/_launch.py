@@ -1,4 +1,5 @@
 """Launch a rank script under torchrun on CPU (gloo), one OpenMP thread per rank."""
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,20 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 120) -> subproc
     """Run ``tests/parallel/<script>`` on ``nproc`` ranks; the repo root comes first on PYTHONPATH."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "parallel" / script), *args]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "tests" / "parallel" / script),
+        *args,
+    ]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

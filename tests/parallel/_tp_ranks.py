@@ -1,8 +1,9 @@
 """Rank script of tests/parallel/test_tensor_parallel.py (run under torchrun; asserts inside, prints OK lines).
 
-    torchrun --standalone --nproc_per_node=2 tests/parallel/_tp_ranks.py tp
-    torchrun --standalone --nproc_per_node=4 tests/parallel/_tp_ranks.py fsdp_tp
+torchrun --standalone --nproc_per_node=2 tests/parallel/_tp_ranks.py tp
+torchrun --standalone --nproc_per_node=4 tests/parallel/_tp_ranks.py fsdp_tp
 """
+
 from __future__ import annotations
 
 import sys
@@ -60,8 +61,15 @@ def tiny_neox():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5)
+    cfg = GPTNeoXConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rotary_pct=0.5,
+    )
     return GPTNeoXForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 

@@ -5,6 +5,7 @@ Apply/inspect after fully_shard refused with the model intact (it still trains);
 from every rank -> a fresh single-process load_pretrained gives the same logits; fold refused
 with nothing changed; a DCP save/load round trip, gathered and folded, gives the same logits.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ The rank script compares against a single-process run of the same model: the los
 SGD steps, the KHA gradients of the first, and the KHA weights after the second, within 1e-5,
 and checks that every rank ends with the same KHA weights.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,9 @@ def test_local_slots_interleaved_and_fused_blocks():
     rank1 = torch.arange(24, 48)  # ColwiseParallel over 2 ranks: heads 2, 3
     assert local_slots("qkv", inter, rank1) == tuple(_slot(r, i * 4, 2, 4, 12) for i, r in enumerate("qkv"))
     blocks = (_slot("q", 0, 4, 4, 4), _slot("k", 16, 2, 4, 4), _slot("v", 24, 2, 4, 4))  # [Q|K|V], GQA
-    with pytest.raises(TensorParallelError, match="holds no 'q' head"):  # rank 1 of 2 holds features 16..31: K and V only
+    with pytest.raises(
+        TensorParallelError, match="holds no 'q' head"
+    ):  # rank 1 of 2 holds features 16..31: K and V only
         local_slots("qkv", blocks, torch.arange(16, 32))
     with pytest.raises(TensorParallelError, match="head 0 of role 'k' is split across ranks"):
         local_slots("k_proj", (_slot("k", 0, 1, 8, 8),), torch.arange(0, 4))

@@ -1,4 +1,5 @@
 """fold(): exact, restores the original classes and keys, refuses MLP-value when strict."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,31 @@ LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 
 
 def no_kha_left(model):
-    return not any(isinstance(m, (KHAProjection, KHAMultiheadAttention)) or type(m).__module__.startswith("kha_compile")
-                   for m in model.modules())
+    return not any(
+        isinstance(m, (KHAProjection, KHAMultiheadAttention)) or type(m).__module__.startswith("kha_compile")
+        for m in model.modules()
+    )
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "bert", "mistral", "phi", "t5", "deepseek_v3",
-                                  "gpt_neox", "falcon", "torch_encoder", "nanogpt", "vit", "gemma2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "qwen3",
+        "gpt2",
+        "bert",
+        "mistral",
+        "phi",
+        "t5",
+        "deepseek_v3",
+        "gpt_neox",
+        "falcon",
+        "torch_encoder",
+        "nanogpt",
+        "vit",
+        "gemma2",
+    ],
+)
 def test_fold_is_exact_and_restores_the_original_model(name):
     case = zoo.make(name)
     keys = list(case.model.state_dict())
@@ -120,5 +140,6 @@ def test_folded_checkpoint_reloads_with_plain_from_pretrained_without_kha_compil
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'vanilla')!r}).eval()\n"
         "with torch.no_grad(): out = m(input_ids=io['ids']).logits\n"
         "torch.testing.assert_close(out, io['expected'], rtol=1e-4, atol=1e-5)\n"
-        "print('OK', type(m).__name__)\n")
+        "print('OK', type(m).__name__)\n"
+    )
     run_python(script, "OK LlamaForCausalLM")

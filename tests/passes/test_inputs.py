@@ -1,4 +1,5 @@
 """Tests for kha_compile.passes.inputs.example_inputs."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,6 +14,7 @@ from kha_compile.errors import KHAError, MissingExampleInputsError
 from kha_compile.passes.inputs import example_inputs
 
 # --- user inputs win ------------------------------------------------------------------------
+
 
 def test_user_args_returned_unchanged():
     x = torch.randn(2, 3)
@@ -43,6 +45,7 @@ def test_user_inputs_win_over_hf_config():
 
 
 # --- built from a transformers config -------------------------------------------------------
+
 
 def test_hf_causal_lm():
     model = zoo.make("llama").model
@@ -123,6 +126,7 @@ def test_sentence_transformer(monkeypatch):
 
 
 # --- anything else needs the user's inputs --------------------------------------------------
+
 
 @pytest.mark.parametrize("name", zoo.TORCH_NAMES)
 def test_plain_module_without_inputs_raises(name):

@@ -1,4 +1,5 @@
 """build_sites / insert: MLA's transforms (KHA_SPEC "Multi-head latent attention") and the plan they follow."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ def test_mla_tq_covers_the_whole_query_head_and_tk_the_per_head_no_rope_key_part
     assert report.matched and all(s.kind == "mla" and s.note == MLA_NOTE for s in report.matched)
     assert "T^Q acts on the whole query head" in MLA_NOTE and "T^K on the per-head no-RoPE key part" in MLA_NOTE
     shapes = {n.split("self_attn.")[1]: tuple(p.shape) for n, p in kha_params(case.model).items() if ".layers.0." in n}
-    assert shapes == {"q_b_proj.kha.q.weight": (nope + rope, nope + rope),
-                      "kv_b_proj.kha.k.weight": (nope, nope), "kv_b_proj.kha.v.weight": (dv, dv)}
+    assert shapes == {
+        "q_b_proj.kha.q.weight": (nope + rope, nope + rope),
+        "kv_b_proj.kha.k.weight": (nope, nope),
+        "kv_b_proj.kha.v.weight": (dv, dv),
+    }
     attn = case.model.model.layers[0].self_attn
     assert not hasattr(attn.kv_a_proj_with_mqa, "kha")  # the shared RoPE key piece has no transform
     slots = {s.role: s for s in attn.kv_b_proj._kha_slots}

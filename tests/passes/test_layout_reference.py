@@ -6,6 +6,7 @@ features by editing the original weights (KHA_SPEC.md: W[R_h] <- T^T W[R_h], b[R
 the KHA model gets the same T through its transform. A swapped role or a wrong head grouping
 changes the output, so these tests fail on it — the fold tests cannot, since fold reuses the slots.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,12 +43,30 @@ def _rows_falcon_mqa(r, h):  # H query heads, then one key head, then one value 
 LAYOUTS = {
     "gpt2": ("transformer.h.{i}.attn.c_attn", "weight", "bias", 1, _rows_blocks, {"q": H, "k": H, "v": H}),
     "nanogpt": ("h.{i}.attn.c_attn", "weight", "bias", 0, _rows_blocks, {"q": H, "k": H, "v": H}),
-    "gpt_neox": ("gpt_neox.layers.{i}.attention.query_key_value", "weight", "bias", 0, _rows_interleaved,
-                 {"q": H, "k": H, "v": H}),
-    "falcon": ("transformer.h.{i}.self_attention.query_key_value", "weight", None, 0, _rows_falcon_mqa,
-               {"q": H, "k": 1, "v": 1}),
-    "torch_encoder": ("layers.{i}.self_attn", "in_proj_weight", "in_proj_bias", 0, _rows_blocks,
-                      {"q": H, "k": H, "v": H}),
+    "gpt_neox": (
+        "gpt_neox.layers.{i}.attention.query_key_value",
+        "weight",
+        "bias",
+        0,
+        _rows_interleaved,
+        {"q": H, "k": H, "v": H},
+    ),
+    "falcon": (
+        "transformer.h.{i}.self_attention.query_key_value",
+        "weight",
+        None,
+        0,
+        _rows_falcon_mqa,
+        {"q": H, "k": 1, "v": 1},
+    ),
+    "torch_encoder": (
+        "layers.{i}.self_attn",
+        "in_proj_weight",
+        "in_proj_bias",
+        0,
+        _rows_blocks,
+        {"q": H, "k": H, "v": H},
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """The matcher on generic attention code: random head counts, layouts and rotary, plus the skip reasons."""
+
 from __future__ import annotations
 
 import copy
@@ -26,7 +27,14 @@ class GenericAttention(nn.Module):
 
     def __init__(self, d, n_head, n_kv, head_dim, layout, rope, manual):
         super().__init__()
-        self.n_head, self.n_kv, self.hd, self.layout, self.rope, self.manual = n_head, n_kv, head_dim, layout, rope, manual
+        self.n_head, self.n_kv, self.hd, self.layout, self.rope, self.manual = (
+            n_head,
+            n_kv,
+            head_dim,
+            layout,
+            rope,
+            manual,
+        )
         q_out, kv_out = n_head * head_dim, n_kv * head_dim
         if layout == "separate":
             self.q_proj = nn.Linear(d, q_out)
@@ -83,8 +91,15 @@ def attention_cases(draw):
     n_kv = draw(st.sampled_from([1, 2, 4]))
     n_head = n_kv if layout == "interleaved" else n_kv * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([4, 8, 16]))
-    return dict(d=24, n_head=n_head, n_kv=n_kv, head_dim=head_dim, layout=layout,
-                rope=draw(st.booleans()), manual=draw(st.booleans()))
+    return dict(
+        d=24,
+        n_head=n_head,
+        n_kv=n_kv,
+        head_dim=head_dim,
+        layout=layout,
+        rope=draw(st.booleans()),
+        manual=draw(st.booleans()),
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

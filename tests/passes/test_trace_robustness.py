@@ -1,6 +1,7 @@
 """Trace and layout robustness: rotary helpers returning tuples with type_as, complex RoPE
 (view_as_complex / view_as_real), None entries in a ModuleList, module inputs torch.export cannot
 take (bound as constants), and every unexpected failure reported as a KHAError naming its step."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,6 +90,7 @@ def test_rotary_helpers_and_none_entries(rope, v):
 
 def test_view_as_complex_is_followed_as_a_layout_op():
     from kha_compile.passes.layout import LAYOUT_OPS, read_head_map
+
     idx = torch.arange(H * HD).expand(T, H * HD).reshape(1, T, H, HD // 2, 2)  # features of a (B, T, H*Dh) output
     c = LAYOUT_OPS[torch.ops.aten.view_as_complex.default](idx, None)
     back = LAYOUT_OPS[torch.ops.aten.view_as_real.default](c, None).flatten(3)  # (1, T, H, Dh)

@@ -1,4 +1,5 @@
 """Transform kinds are a registry: a new kind is one spec, and config, apply, fold and remove use it."""
+
 from __future__ import annotations
 
 import pytest

@@ -8,6 +8,7 @@
 A new rule is one new file here and one entry in :data:`RULES` (and its name in
 :data:`kha_compile.backend.stats.RuleName`).
 """
+
 from __future__ import annotations
 
 from .base import Declined, Rule, RuleSetup

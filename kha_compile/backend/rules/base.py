@@ -1,4 +1,5 @@
 """The rule base: ``pattern`` finds candidates, ``check`` accepts or declines, ``rewrite`` changes the graph."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ class RuleSetup:
     """What a backend hands each rule class to build its rule for one graph."""
 
     options: BackendOptions
-    deploy_entries: Sequence[Any] | None = None   # deploy.DeployEntry list in deploy mode, else None
+    deploy_entries: Sequence[Any] | None = None  # deploy.DeployEntry list in deploy mode, else None
 
 
 class Rule:
@@ -51,7 +52,7 @@ class Rule:
 
     name: ClassVar[RuleName]
     strict: ClassVar[bool] = False  # a strict rule raises instead of declining (skipping would change results)
-    error: ClassVar[type[BackendError]] = BackendError   # what a strict rule raises
+    error: ClassVar[type[BackendError]] = BackendError  # what a strict rule raises
 
     @classmethod
     def create(cls, setup: RuleSetup) -> Rule | None:

@@ -5,6 +5,7 @@ Linear transforms are folded into the projection when gradients are off (as in
 projection's output by one graph call that runs :meth:`KHAProjection.kha_transform` (the same
 code as a model with KHA applied), with the checkpoint tensors as extra graph inputs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,9 +48,9 @@ class TransformCall:
 
     def __init__(self, slots: Sequence[HeadSlot], kinds: Mapping[Role, str], out_features: int, name: str):
         self.slots = tuple(slots)
-        self.kinds = dict(kinds)                       # role -> kind, in the order of the tensors
+        self.kinds = dict(kinds)  # role -> kind, in the order of the tensors
         self.out_features = out_features
-        self.__name__ = name                           # how the generated graph code names it
+        self.__name__ = name  # how the generated graph code names it
         self.__module__ = __name__
         self.kha_mlp_value_ops = sum(kind == "mlp" for kind in self.kinds.values())
 
@@ -62,7 +63,7 @@ class TransformCall:
             t = make_transform(kind, head_dim, device=torch.device("meta"))
             for pname in TRANSFORM_PARAMS[kind]:
                 delattr(t, pname)
-                setattr(t, pname, next(it))            # a plain tensor attribute: the graph input
+                setattr(t, pname, next(it))  # a plain tensor attribute: the graph input
             transforms[role] = t
         proj.kha = transforms
         proj._kha_slots = self.slots
@@ -121,14 +122,17 @@ class DeployKHA(Rule):
                     f"deploy: the weight of {entry.path} is used in the graph only by "
                     f"{', '.join(f'{u.op} {u.target}' for u in uses) or 'nothing'}, not by a linear/addmm/matmul "
                     "op, so its KHA transforms cannot be inserted. Use kc.load_pretrained(model, ckpt) and "
-                    "torch.compile(model, backend='kha') instead.")
+                    "torch.compile(model, backend='kha') instead."
+                )
 
     def check(self, m: _DeployMatch, ctx: GraphContext) -> Verdict:
         w = ctx.tensor_of(m.proj.weight)
         assert w is not None  # projection() checked it
         if w.shape[m.proj.out_axis] != m.entry.out_features:
-            return fail(f"{m.entry.path}: weight has {w.shape[m.proj.out_axis]} output features, the plan "
-                        f"{m.entry.out_features}")
+            return fail(
+                f"{m.entry.path}: weight has {w.shape[m.proj.out_axis]} output features, the plan "
+                f"{m.entry.out_features}"
+            )
         return ok()
 
     def rewrite(self, m: _DeployMatch, ctx: GraphContext) -> int:
@@ -136,11 +140,14 @@ class DeployKHA(Rule):
         w = ctx.tensor_of(proj.weight)
         b = ctx.tensor_of(proj.bias)
         assert w is not None
-        consts = {r: RoleTransform(rt.kind, tuple(t.to(device=w.device, dtype=w.dtype) for t in rt.tensors))
-                  for r, rt in entry.transforms.items()}
+        consts = {
+            r: RoleTransform(rt.kind, tuple(t.to(device=w.device, dtype=w.dtype) for t in rt.tensors))
+            for r, rt in entry.transforms.items()
+        }
         slots = [s for s in entry.slots if s.role in consts]
         may_fold = ctx.options.get("fold", True) and not (
-            ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad)))
+            ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad))
+        )
         fold = [s for s in slots if consts[s.role].kind == "linear"] if may_fold else []
         keep = [s for s in slots if s not in fold]
         if fold:
@@ -151,8 +158,9 @@ class DeployKHA(Rule):
         if keep:
             kinds = {s.role: consts[s.role].kind for s in keep}
             tensors = [t for role in kinds for t in consts[role].tensors]
-            inputs = ctx.add_inputs(Recipe([Source.const(t) for t in tensors], lambda *xs: xs),
-                                    f"kha_deploy_{proj.node.name}")
+            inputs = ctx.add_inputs(
+                Recipe([Source.const(t) for t in tensors], lambda *xs: xs), f"kha_deploy_{proj.node.name}"
+            )
             y = proj.node
             target = TransformCall(keep, kinds, entry.out_features, f"kha_deploy_transform_{proj.node.name}")
             with ctx.graph.inserting_after(y):

@@ -7,6 +7,7 @@ matmul disappears. The matmul is anchored by the module that traced it (``nn_mod
 holds a ``KHALinearTransform``). The fold is refused when anything else reads the transformed
 features; the layout ops around it stay and cost nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,17 +30,17 @@ __all__ = ["FoldLinearKHA"]
 
 @dataclasses.dataclass(frozen=True)
 class _Transform:
-    matmul: fx.Node              # the ``x @ T`` node
-    t: fx.Node                   # its T input
-    slot: HeadSlot | None     # the head slices of the projection output it reads, if it reads such
+    matmul: fx.Node  # the ``x @ T`` node
+    t: fx.Node  # its T input
+    slot: HeadSlot | None  # the head slices of the projection output it reads, if it reads such
 
 
 @dataclasses.dataclass
 class _FoldMatch:
-    anchor: fx.Node                     # the projection op
+    anchor: fx.Node  # the projection op
     proj: Projection
     transforms: list[_Transform]
-    readers: list[tuple[fx.Node, Tensor]]   # other consumers of the projection's features: (node, mask)
+    readers: list[tuple[fx.Node, Tensor]]  # other consumers of the projection's features: (node, mask)
     width: int
     problem: str = ""
 
@@ -71,8 +72,10 @@ class FoldLinearKHA(Rule):
             x = node.args[0]
             proj = trace_back(x, ctx) if isinstance(x, fx.Node) else None
             if proj is None:
-                yield Declined(node, "its input is not a view of a projection whose weight is a graph input "
-                                     "(linear, addmm or matmul)")
+                yield Declined(
+                    node,
+                    "its input is not a view of a projection whose weight is a graph input (linear, addmm or matmul)",
+                )
                 continue
             groups.setdefault(proj.node, []).append((node, t))
             projs[proj.node] = proj
@@ -119,8 +122,10 @@ class FoldLinearKHA(Rule):
         tensors = [ctx.tensor_of(m.proj.weight), ctx.tensor_of(m.proj.bias)]
         tensors += [ctx.tensor_of(t.t) for t in m.transforms]
         if ctx.grad_enabled and any(t is not None and t.requires_grad for t in tensors):
-            return fail("gradients are on and the weight or a transform requires grad; folding would cut "
-                        "them off, so the transforms stay matmuls")
+            return fail(
+                "gradients are on and the weight or a transform requires grad; folding would cut "
+                "them off, so the transforms stay matmuls"
+            )
         folded = torch.zeros(m.width, dtype=torch.bool)
         for t in m.transforms:
             if t.slot is None:

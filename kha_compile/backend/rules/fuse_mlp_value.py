@@ -1,4 +1,5 @@
 """``2 * ((v @ W_up) * sigmoid(v @ W_gate)) @ W_down`` -> one ``torch.ops.kha.mlp_value`` node."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,13 @@ _Leaf = fx.Node | int | float
 
 @dataclasses.dataclass
 class _MLPMatch:
-    anchor: fx.Node            # the node whose value the fused op replaces
+    anchor: fx.Node  # the node whose value the fused op replaces
     v: fx.Node
     up: Any
     gate: Any
     down: Any
     scale: float
-    internal: list[fx.Node]    # nodes consumed by the pattern (all but ``anchor``)
+    internal: list[fx.Node]  # nodes consumed by the pattern (all but ``anchor``)
 
     def nodes(self) -> list[fx.Node]:
         return [self.anchor, *self.internal]
@@ -33,8 +34,13 @@ class _MLPMatch:
 
 def _mul_leaves(node: Any, internal: list[fx.Node], root: bool = True) -> list[_Leaf] | None:
     """Flatten a tree of ``*`` into its factors (nodes and numbers); internal mul nodes are collected."""
-    if isinstance(node, fx.Node) and is_call(node, MUL_FNS, MUL_METHODS) and len(node.args) == 2 \
-            and not node.kwargs and (root or len(node.users) == 1):
+    if (
+        isinstance(node, fx.Node)
+        and is_call(node, MUL_FNS, MUL_METHODS)
+        and len(node.args) == 2
+        and not node.kwargs
+        and (root or len(node.users) == 1)
+    ):
         internal.append(node)
         out: list[_Leaf] = []
         for a in node.args:

@@ -3,6 +3,7 @@
 Each module has ``NAME``, ``register(sub, common) -> parser`` (adds its subparser) and
 ``run(args, ui) -> exit status``. A new command is one new module and one entry in :data:`COMMANDS`.
 """
+
 from __future__ import annotations
 
 from types import ModuleType

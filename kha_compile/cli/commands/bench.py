@@ -1,4 +1,5 @@
 """``kha-compile bench``: list the scripts of ``benchmarks/``, or run one with its arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,8 @@ NAME = "bench"
 def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``sub``."""
     p: argparse.ArgumentParser = sub.add_parser(
-        NAME, parents=[common], allow_abbrev=False, help="run a script of benchmarks/ (lists them without NAME)")
+        NAME, parents=[common], allow_abbrev=False, help="run a script of benchmarks/ (lists them without NAME)"
+    )
     p.add_argument("name", nargs="?", help="benchmark name, e.g. apply_speed")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     p.set_defaults(func=run)
@@ -59,8 +61,12 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     directory = benchmarks_dir()
     available = list_benchmarks(directory)
     if not args.name:
-        table = Table(title=f"benchmarks in {directory}", title_justify="left",
-                      caption="run one: kha-compile bench NAME [ARGS...]", caption_justify="left")
+        table = Table(
+            title=f"benchmarks in {directory}",
+            title_justify="left",
+            caption="run one: kha-compile bench NAME [ARGS...]",
+            caption_justify="left",
+        )
         table.add_column("name", no_wrap=True)
         table.add_column("what it measures")
         for name, doc in available.items():

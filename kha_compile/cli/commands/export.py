@@ -3,6 +3,7 @@
 The output's directory is created when it does not exist, and the command says so (a line on
 stdout and an INFO log record); a path whose parent is a file is refused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,19 @@ NAME = "export"
 def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``export`` subcommand to ``sub``."""
     p: argparse.ArgumentParser = sub.add_parser(
-        NAME, parents=[common], allow_abbrev=False, help="export to ONNX (MLP-value as a custom node)",
+        NAME,
+        parents=[common],
+        allow_abbrev=False,
+        help="export to ONNX (MLP-value as a custom node)",
         description="Export MODEL to ONNX (linear KHA folded in a copy, MLP-value KHA as one kha::MLPValue "
-                    "node per attention) and compare onnxruntime with torch on example inputs.")
+        "node per attention) and compare onnxruntime with torch on example inputs.",
+    )
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("output", metavar="OUT.onnx",
-                   help="the ONNX file to write; its directory is created (and reported) if it does not exist")
+    p.add_argument(
+        "output",
+        metavar="OUT.onnx",
+        help="the ONNX file to write; its directory is created (and reported) if it does not exist",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--mlp", action="store_true", help="apply MLP-value KHA (identity) before export")
     g.add_argument("--linear", action="store_true", help="apply linear q/k/v KHA (identity) before export")
@@ -65,8 +73,9 @@ def run(args: argparse.Namespace, ui: UI) -> int:
 
     out = pathlib.Path(args.output)
     model, name = load_with_kha(args.model, args.kha, ui)
-    cfg = kc.KHAConfig(v="mlp") if args.mlp else kc.KHAConfig(q="linear", k="linear", v="linear") \
-        if args.linear else None
+    cfg = (
+        kc.KHAConfig(v="mlp") if args.mlp else kc.KHAConfig(q="linear", k="linear", v="linear") if args.linear else None
+    )
     if cfg is not None:
         with ui.step(f"apply {cfg}"):
             kc.apply(model, cfg)
@@ -75,9 +84,13 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     with ui.step(f"export {type(target).__name__} to {out} (dynamic={not args.static}, fold={not args.no_fold})"):
         export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
     s = onnx_summary(out)
-    rows = [("file", f"{out} ({out.stat().st_size / 2**20:.2f} MiB)"), ("opset", str(s.opset)),
-            ("nodes", str(s.num_nodes)), ("kha::MLPValue nodes", str(s.num_custom_nodes)),
-            ("functions", ", ".join("::".join(f) for f in s.functions) or "none")]
+    rows = [
+        ("file", f"{out} ({out.stat().st_size / 2**20:.2f} MiB)"),
+        ("opset", str(s.opset)),
+        ("nodes", str(s.num_nodes)),
+        ("kha::MLPValue nodes", str(s.num_custom_nodes)),
+        ("functions", ", ".join("::".join(f) for f in s.functions) or "none"),
+    ]
     rows += [(f"input {i.name}", f"{i.dtype}{list(i.dims)}") for i in s.inputs]
     rows += [(f"output {o.name}", f"{o.dtype}{list(o.dims)}") for o in s.outputs]
     status = 0

@@ -1,4 +1,5 @@
 """``kha-compile fold``: fold a linear KHA checkpoint into a vanilla model and save it."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,13 @@ NAME = "fold"
 def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``fold`` subcommand to ``sub``."""
     p: argparse.ArgumentParser = sub.add_parser(
-        NAME, parents=[common], allow_abbrev=False, help="fold a linear KHA checkpoint into a vanilla model",
+        NAME,
+        parents=[common],
+        allow_abbrev=False,
+        help="fold a linear KHA checkpoint into a vanilla model",
         description="Load MODEL and the KHA checkpoint, fold every linear transform into the "
-                    "weights and save the vanilla model with save_pretrained.")
+        "weights and save the vanilla model with save_pretrained.",
+    )
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--kha", required=True, metavar="DIR", help="KHA checkpoint (from apply / save_pretrained)")
     p.add_argument("--out", required=True, metavar="DIR", help="output model directory")
@@ -54,13 +59,23 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     with ui.step(f"save the vanilla model to {out}"):
         save = getattr(model, "save_pretrained", None)
         if not callable(save):
-            raise CommandError(f"{type(model).__name__} has no save_pretrained; only transformers and "
-                               "sentence-transformers models are saved by this command.")
+            raise CommandError(
+                f"{type(model).__name__} has no save_pretrained; only transformers and "
+                "sentence-transformers models are saved by this command."
+            )
         save(str(out))
         _copy_tokenizer(args.model, out)
-    ui.out.print(kv_table(f"{name}: folded", [
-        ("output", str(out)), ("max |folded - KHA| on example inputs", fmt_diff(d)),
-        ("KHA modules left", "0"), ("loads with", "plain transformers: from_pretrained, no kha_compile")]))
+    ui.out.print(
+        kv_table(
+            f"{name}: folded",
+            [
+                ("output", str(out)),
+                ("max |folded - KHA| on example inputs", fmt_diff(d)),
+                ("KHA modules left", "0"),
+                ("loads with", "plain transformers: from_pretrained, no kha_compile"),
+            ],
+        )
+    )
     return 0 if d < FOLD_TOL * max(1.0, float(before.abs().max())) else 1
 
 

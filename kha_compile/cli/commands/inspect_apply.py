@@ -1,4 +1,5 @@
 """``kha-compile inspect`` (list the attention sites) and ``kha-compile apply`` (insert KHA, save it)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ def kind_choice(allowed: tuple[str, ...]) -> Callable[[str], str]:
 
         p.add_argument("--v", type=kind_choice(("none", "linear", "mlp")))
     """
+
     def parse(value: str) -> str:
         v = value.lower()
         if v not in allowed:
@@ -40,16 +42,20 @@ def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.Argumen
     p.set_defaults(func=run_inspect)
     inspect_parser = p
 
-    p = sub.add_parser("apply", parents=[common], allow_abbrev=False, help="insert KHA and save the KHA checkpoint",
-                       description="Insert KHA (identity at init) and save its checkpoint with save_pretrained. "
-                                   "Without --q/--k/--v: the paper's best, --v mlp.")
+    p = sub.add_parser(
+        "apply",
+        parents=[common],
+        allow_abbrev=False,
+        help="insert KHA and save the KHA checkpoint",
+        description="Insert KHA (identity at init) and save its checkpoint with save_pretrained. "
+        "Without --q/--k/--v: the paper's best, --v mlp.",
+    )
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--q", metavar="KIND", type=kind_choice(("none", "linear")),
-                   help="query transform: none, linear")
-    p.add_argument("--k", metavar="KIND", type=kind_choice(("none", "linear")),
-                   help="key transform: none, linear")
-    p.add_argument("--v", metavar="KIND", type=kind_choice(("none", "linear", "mlp")),
-                   help="value transform: none, linear, mlp")
+    p.add_argument("--q", metavar="KIND", type=kind_choice(("none", "linear")), help="query transform: none, linear")
+    p.add_argument("--k", metavar="KIND", type=kind_choice(("none", "linear")), help="key transform: none, linear")
+    p.add_argument(
+        "--v", metavar="KIND", type=kind_choice(("none", "linear", "mlp")), help="value transform: none, linear, mlp"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (created if missing)")
     p.set_defaults(func=run_apply)
     return [inspect_parser, p]
@@ -65,8 +71,13 @@ def run_inspect(args: argparse.Namespace, ui: UI) -> int:
     if args.json:
         ui.out.print(json.dumps(report.to_dict(), indent=2), soft_wrap=True, markup=False, highlight=False)
     else:
-        ui.out.print(report_table(report, title=f"{name} ({report.model}): {len(report.matched)} attention "
-                                                f"sites matched, {len(report.skipped)} skipped"))
+        ui.out.print(
+            report_table(
+                report,
+                title=f"{name} ({report.model}): {len(report.matched)} attention "
+                f"sites matched, {len(report.skipped)} skipped",
+            )
+        )
     return 0
 
 
@@ -79,8 +90,11 @@ def run_apply(args: argparse.Namespace, ui: UI) -> int:
     with ui.step(f"apply {cfg}"):
         kc.apply(model, cfg)
     report = kc.inspect(model)
-    ui.out.print(report_table(report, title=f"{name}: KHA at {len(report.matched)} sites, "
-                                            f"{kha_param_count(model):,} KHA parameters"))
+    ui.out.print(
+        report_table(
+            report, title=f"{name}: KHA at {len(report.matched)} sites, {kha_param_count(model):,} KHA parameters"
+        )
+    )
     with ui.step(f"save the KHA checkpoint to {args.out}"):
         path = kc.save_pretrained(model, args.out)
     ui.out.print(f"KHA checkpoint (weights + config only): {path}")

@@ -4,6 +4,7 @@ Works without a GPU. Prints one table per kernel, a row per variant (architectur
 dim, launch config) with registers, spills and shared memory, or the reason a variant failed;
 ``--json PATH`` writes the records. Exit status 1 when any variant failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,20 +31,29 @@ def parse_archs(value: str) -> list[str]:
     if not archs or bad:
         raise argparse.ArgumentTypeError(
             f"{', '.join(map(repr, bad)) or repr(value)} is not a GPU architecture; give a comma-separated "
-            "list such as sm_80,sm_90")
+            "list such as sm_80,sm_90"
+        )
     return list(dict.fromkeys(archs))
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kernels`` subcommand to ``sub``."""
     p: argparse.ArgumentParser = sub.add_parser(
-        NAME, parents=[common], allow_abbrev=False,
+        NAME,
+        parents=[common],
+        allow_abbrev=False,
         help="compile the Triton kernel variants ahead of time for GPU architectures (no GPU needed)",
         description="Compile every Triton kernel variant ahead of time for the given GPU architectures and "
-                    "report registers, spills and shared memory per variant. Needs triton, not a GPU. "
-                    "Exit status 1 when any variant fails to compile.")
-    p.add_argument("--arch", required=True, type=parse_archs, metavar="SM[,SM...]",
-                   help="comma-separated GPU architectures, e.g. sm_80,sm_90")
+        "report registers, spills and shared memory per variant. Needs triton, not a GPU. "
+        "Exit status 1 when any variant fails to compile.",
+    )
+    p.add_argument(
+        "--arch",
+        required=True,
+        type=parse_archs,
+        metavar="SM[,SM...]",
+        help="comma-separated GPU architectures, e.g. sm_80,sm_90",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON to PATH")
     p.set_defaults(func=run)
     return p
@@ -57,10 +67,12 @@ def load_compile_variants() -> Callable[[list[str]], Sequence[Any]]:
         if e.name and e.name.startswith("kha_compile"):
             raise BackendUnavailableError(
                 "kha-compile kernels needs kha_compile.kernels.aot (ahead-of-time Triton compilation), which this "
-                "installation of kha_compile does not have; update kha_compile.") from e
+                "installation of kha_compile does not have; update kha_compile."
+            ) from e
         raise BackendUnavailableError(
             f"kha-compile kernels needs {e.name or 'triton'} to compile the kernels: pip install "
-            "'kha-compile[triton]' (no GPU is needed).") from e
+            "'kha-compile[triton]' (no GPU is needed)."
+        ) from e
     fn: Callable[[list[str]], Sequence[Any]] = compile_variants
     return fn
 
@@ -88,12 +100,24 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         failed = sum(not r.ok for r in rows)
         table = Table(title=f"{kernel}: {len(rows)} variant(s), {failed} failed", title_justify="left")
         for col in ("arch", "dtype", "head dim", "config", "ok", "registers", "spills", "shared bytes", "reason"):
-            table.add_column(col, justify="right" if col in ("head dim", "registers", "spills", "shared bytes")
-                             else "left", overflow="fold")
+            table.add_column(
+                col,
+                justify="right" if col in ("head dim", "registers", "spills", "shared bytes") else "left",
+                overflow="fold",
+            )
         for r in rows:
-            table.add_row(_cell(r.arch), _cell(r.dtype), _cell(r.head_dim), escape(_cell(r.config)), ok_mark(bool(r.ok)),
-                          _cell(r.registers), _cell(r.spills), _cell(r.shared_bytes),
-                          escape(_cell(r.reason)) if r.reason else "", style=None if r.ok else "yellow")
+            table.add_row(
+                _cell(r.arch),
+                _cell(r.dtype),
+                _cell(r.head_dim),
+                escape(_cell(r.config)),
+                ok_mark(bool(r.ok)),
+                _cell(r.registers),
+                _cell(r.spills),
+                _cell(r.shared_bytes),
+                escape(_cell(r.reason)) if r.reason else "",
+                style=None if r.ok else "yellow",
+            )
         ui.out.print(table)
     if not records:
         ui.out.print("no kernel variants were compiled")

@@ -27,6 +27,7 @@ Shared helpers for handler files: ``PlanEntry``, ``ModuleProjectionHandler`` (at
 module with a 2-D weight), ``weight_out_axis``, ``owner_of`` and the fold primitive
 :func:`kha_compile.passes.rows.fold_rows`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-
 def _builtins() -> list[ProjectionHandler]:
     from .conv1d import Conv1DHandler
     from .linear import LinearHandler
@@ -66,8 +66,9 @@ def _builtins() -> list[ProjectionHandler]:
     return [MHAHandler(), Conv1DHandler(), LinearHandler()]
 
 
-HANDLERS: Registry[ProjectionHandler] = Registry("projection handler", __name__, __path__, builtins=_builtins,
-                                                skip=("base", "mha", "conv1d", "linear"))
+HANDLERS: Registry[ProjectionHandler] = Registry(
+    "projection handler", __name__, __path__, builtins=_builtins, skip=("base", "mha", "conv1d", "linear")
+)
 
 
 def register_handler(handler: ProjectionHandler, *, first: bool = False) -> ProjectionHandler:
@@ -115,5 +116,7 @@ def handler_of(module: nn.Module) -> ProjectionHandler:
     for h in projection_handlers():
         if h.owns(module):
             return h
-    raise RegistryError(f"no projection handler owns {type(module).__name__}; register the handler that "
-                        "attached its KHA transforms before folding or removing them.")
+    raise RegistryError(
+        f"no projection handler owns {type(module).__name__}; register the handler that "
+        "attached its KHA transforms before folding or removing them."
+    )

@@ -18,6 +18,7 @@ order the user chose:
 linear KHA into a wrapper folds ``T`` into the base weight and every ``lora_B``:
 ``T^T (W + B A) = (T^T W) + (T^T B) A``, so merging and folding commute.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,9 @@ from ...modules import (
     HeadSlot,
     KHAProjection,
     KHATransforms,
-    _plan,
     detach,
     is_kha_projection,
+    layout_plan,
     make_transform,
 )
 from . import register_handler
@@ -115,9 +116,11 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     wrappers = [m for m in model.modules() if accepts(m)]
     merged = [type(m).__name__ for m in wrappers if getattr(m, "merged", False)]
     if merged:
-        raise UnsupportedModelError(f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
-                       "unmerged (call peft_model.unmerge_adapter()) or fully merged and unloaded "
-                       "(peft_model.merge_and_unload()) first.")
+        raise UnsupportedModelError(
+            f"{len(merged)} adapter layers are merged into their base weights; kc.apply needs them "
+            "unmerged (call peft_model.unmerge_adapter()) or fully merged and unloaded "
+            "(peft_model.merge_and_unload()) first."
+        )
     saved = [(m, m.__dict__.get("_disable_adapters")) for m in wrappers]
     try:
         for m, _ in saved:
@@ -139,6 +142,7 @@ def retarget(model: nn.Module, plan: list, sites: list) -> None:
         sites, plan = build_sites(model, raw, cap, cfg)
         retarget(model, plan, sites)    # "...q_proj.base_layer" -> "...q_proj", handler "adapter"
     """
+
     def outer(path: str) -> str:
         while path.endswith(".base_layer"):
             parent = path[: -len(".base_layer")]
@@ -183,8 +187,9 @@ class KHAAdapterProjection(KHAProjection):
 
 
 def _adapter_class(base_cls: type) -> type:
-    return mixin_class(KHAAdapterProjection, base_cls, f"KHAAdapter{base_cls.__name__}", __name__,
-                       _kha_base_class=base_cls)
+    return mixin_class(
+        KHAAdapterProjection, base_cls, f"KHAAdapter{base_cls.__name__}", __name__, _kha_base_class=base_cls
+    )
 
 
 def _ref_param(module: Any) -> Tensor | None:
@@ -204,9 +209,10 @@ def attach(module: nn.Module, slots: tuple[HeadSlot, ...], kinds: dict[str, str]
     transforms = KHATransforms()
     for s in slots:
         if s.role in kinds and s.role not in transforms:
-            transforms[s.role] = make_transform(kinds[s.role], s.head_dim, dtype=dtype,
-                                                device=ref.device if ref is not None else None)
-    _plan(tuple(s for s in slots if s.role in transforms), out_features)
+            transforms[s.role] = make_transform(
+                kinds[s.role], s.head_dim, dtype=dtype, device=ref.device if ref is not None else None
+            )
+    layout_plan(tuple(s for s in slots if s.role in transforms), out_features)
     _install(module, transforms, tuple(slots), out_features)
     return module
 
@@ -253,14 +259,18 @@ def fold(name: str, module: Any) -> list[tuple[nn.Module, str, Tensor]]:
     magnitude = getattr(module, "lora_magnitude_vector", None) or {}
     extra = [n for n in ("lora_embedding_B", "hada_w1_a", "ia3_l", "lokr_w1") if getattr(module, n, None)]
     if not isinstance(lora_b, nn.ModuleDict) or variants or len(magnitude) or extra:
-        raise FoldError(f"cannot fold KHA into {name} ({type(module)._kha_base_class.__name__}): only plain LoRA "
-                        "adapters (no DoRA or other variants) fold with it. Merge the adapters first "
-                        "(peft_model.merge_and_unload()), then kc.fold. Nothing was changed.")
+        raise FoldError(
+            f"cannot fold KHA into {name} ({type(module)._kha_base_class.__name__}): only plain LoRA "
+            "adapters (no DoRA or other variants) fold with it. Merge the adapters first "
+            "(peft_model.merge_and_unload()), then kc.fold. Nothing was changed."
+        )
     base = module.get_base_layer()
     axis = weight_out_axis(base)
     if axis is None:
-        raise FoldError(f"cannot fold into {name}.base_layer ({type(base).__name__}): only nn.Linear and "
-                        "transformers' Conv1D weights are folded. Nothing was changed.")
+        raise FoldError(
+            f"cannot fold into {name}.base_layer ({type(base).__name__}): only nn.Linear and "
+            "transformers' Conv1D weights are folded. Nothing was changed."
+        )
     w, b = base.weight, getattr(base, "bias", None)
     for s in slots:
         w, b = fold_rows(w, b, s, module.kha[s.role].weight, axis)
@@ -277,6 +287,7 @@ def fold(name: str, module: Any) -> list[tuple[nn.Module, str, Tensor]]:
 
 
 # -- keeping KHA outermost when PEFT wraps a KHA projection after kc.apply -----------------------
+
 
 def _carriers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     out = []
@@ -414,8 +425,10 @@ class AdapterHandler(ModuleProjectionHandler):
 
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         names = {id(m): n for n, m in module.named_modules()}
-        return [(f"{names[id(owner)]}.{pname}" if names[id(owner)] else pname, value)
-                for owner, pname, value in fold(type(module).__name__, module)]
+        return [
+            (f"{names[id(owner)]}.{pname}" if names[id(owner)] else pname, value)
+            for owner, pname, value in fold(type(module).__name__, module)
+        ]
 
 
 register_handler(AdapterHandler(), first=True)

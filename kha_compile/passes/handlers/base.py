@@ -5,6 +5,7 @@ A handler is tried on each matched role (q, k, v) in registry order; the first w
 the transforms a :class:`PlanEntry` lists, detaches them (``remove``) and computes folded weights
 (``fold``). A module that carries KHA records its handler's name, so remove and fold find it again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,8 +78,9 @@ class ProjectionHandler:
         called when ``plans_roles`` is True."""
         raise NotImplementedError
 
-    def describe(self, model: nn.Module, roles: dict[str, RoleMatch],
-                 rename: Callable[[str], str] = lambda p: p) -> str:
+    def describe(
+        self, model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[str], str] = lambda p: p
+    ) -> str:
         """A site-report note for the roles this handler carries ('' when there is nothing to say)."""
         return ""
 
@@ -114,6 +116,7 @@ class ProjectionHandler:
         weight-side execution, the transforms run on the output (token-side).
         """
         return None
+
     def drop(self, module: nn.Module, roles: Sequence[str]) -> None:
         """Remove the (folded) transforms of ``roles`` from ``module``; detach when none is left."""
         kha = transforms_of(module)
@@ -163,8 +166,11 @@ def weight_out_axis(module: nn.Module, out_features: int | None = None) -> int |
         except Exception:  # the forward does not take this input shape: not this orientation
             continue
         ref = x.to(w.device) @ ref_w + b
-        if isinstance(y, Tensor) and y.shape == ref.shape and \
-                torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1))):
+        if (
+            isinstance(y, Tensor)
+            and y.shape == ref.shape
+            and torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
+        ):
             return axis
     return None
 
@@ -188,9 +194,11 @@ class ModuleProjectionHandler(ProjectionHandler):
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         axis = weight_out_axis(module, module.__dict__["_kha_out_features"])
         if axis is None:
-            raise FoldError(f"cannot fold into {_base_class(module).__name__}: the orientation of its weight "
-                            "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
-                            "Nothing was changed.")
+            raise FoldError(
+                f"cannot fold into {_base_class(module).__name__}: the orientation of its weight "
+                "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
+                "Nothing was changed."
+            )
         return self._folded(module, roles, axis, detach=True)
 
     def weight_side(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]] | None:

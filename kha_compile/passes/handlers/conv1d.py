@@ -3,6 +3,7 @@
 Told apart by the weight's orientation (its shape against the output features the graph reads,
 or a probe of the module's forward when the weight is square), never by class name.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ class Conv1DHandler(ModuleProjectionHandler):
 
     name = "conv1d"
 
-    def accepts(self, model: nn.Module, m: "RoleMatch") -> tuple[bool, str]:
+    def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         owner = owner_of(model, m)
         if owner is None or not m.projection.is_module_call or isinstance(owner, nn.Linear):
             return False, ""

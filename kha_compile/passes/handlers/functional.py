@@ -20,6 +20,7 @@ Example::
 
     ok, why = accepts(model, role_match)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,10 @@ def _param_slots(m: RoleMatch) -> tuple[list[tuple[str, str, ParamSlot]], str]:
         covered = (pos >= 0).all(dim=1)
         partial = (pos >= 0).any(dim=1) & ~covered
         if bool(partial.any()):
-            return [], (f"{m.role}: a head of {m.projection.param} takes only part of its bias from "
-                        f"{piece.name}; linear KHA cannot be folded into it")
+            return [], (
+                f"{m.role}: a head of {m.projection.param} takes only part of its bias from "
+                f"{piece.name}; linear KHA cannot be folded into it"
+            )
         if bool(covered.any()):
             out.append((piece.name, piece.kind, ParamSlot(m.role, piece.axes, pos[covered].clone())))
     return out, ""
@@ -91,7 +94,7 @@ def _relative(home: str, path: str) -> str | None:
         return path
     if path == home:
         return ""
-    return path[len(home) + 1:] if path.startswith(home + ".") else None
+    return path[len(home) + 1 :] if path.startswith(home + ".") else None
 
 
 def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
@@ -117,8 +120,10 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
     for path, kind, slot in slots:
         owner, attr = _owner_attr(path)
         if _relative(proj.module_path, owner) is None:
-            return False, (f"{m.role}: {path} is not inside {proj.module_path or 'the model'}, whose forward uses it; "
-                           "kha_compile parametrizes only parameters of the module that calls the projection")
+            return False, (
+                f"{m.role}: {path} is not inside {proj.module_path or 'the model'}, whose forward uses it; "
+                "kha_compile parametrizes only parameters of the module that calls the projection"
+            )
         mod = model.get_submodule(owner)
         if isinstance(mod, nn.MultiheadAttention) or is_kha_projection(mod):
             return False, f"{m.role}: {path} belongs to {type(mod).__name__}, which another handler owns"
@@ -128,8 +133,10 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
                 return False, f"{m.role}: bias piece {path} is a buffer whose values cannot be checked"
             flat = value.detach().movedim(slot.axes, tuple(range(-len(slot.axes), 0))).reshape(-1)
             if bool((flat[slot.index.reshape(-1)] != 0).any()):
-                return False, (f"{m.role}: bias piece {path} is a non-zero buffer; linear KHA folds only into "
-                               "parameters (register it as a parameter, or leave this role without KHA)")
+                return False, (
+                    f"{m.role}: bias piece {path} is a non-zero buffer; linear KHA folds only into "
+                    "parameters (register it as a parameter, or leave this role without KHA)"
+                )
     return True, ""
 
 
@@ -161,8 +168,9 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     inv = torch.empty_like(feats)
     inv[feats] = torch.arange(feats.numel())
     node = m.projection.node
-    post = node.target not in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default) and \
-        any(p.kind != "weight" for p in m.projection.pieces)
+    post = node.target not in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default) and any(
+        p.kind != "weight" for p in m.projection.pieces
+    )
     return axes, inv[m.head_map.index], post
 
 
@@ -189,8 +197,7 @@ def add_role(entry: Any, role: str, m: RoleMatch, kind: str) -> None:
         axes, positions, post = _call_plan(m)  # refuses a projection without an output index
         owner, attr = _owner_attr(m.projection.param)
         ndim = int(cast(Tensor, m.projection.out_index).dim())
-        call = (_relative(home, owner) or "", attr, m.projection.occurrence, ndim,
-                axes, positions, post)
+        call = (_relative(home, owner) or "", attr, m.projection.occurrence, ndim, axes, positions, post)
     extra.roles[role] = RolePlan(kind, m.head_map.head_dim, params, call)
     entry.kinds[role] = kind
 
@@ -214,15 +221,19 @@ def describe(model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[st
         except AttributeError:
             where = proj.module_path or "forward"
         form = "N-d weight" if nd > 2 or not proj.features_last else "functional weight"
-        parts.append(f"{','.join(rs)}: {form} {param} via {op}: linear KHA parametrizes {', '.join(pieces)} "
-                     f"(exact fold); MLP-value intercepts the {op} call in {where}")
+        parts.append(
+            f"{','.join(rs)}: {form} {param} via {op}: linear KHA parametrizes {', '.join(pieces)} "
+            f"(exact fold); MLP-value intercepts the {op} call in {where}"
+        )
     return "; ".join(parts)
 
 
 def _switch(module: nn.Module) -> None:
     if is_kha_projection(module) or isinstance(module, nn.MultiheadAttention):
-        raise AlreadyAppliedError(f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
-                       "parametrize its parameters.")
+        raise AlreadyAppliedError(
+            f"{type(module).__name__} already carries KHA from another handler; kha_compile cannot also "
+            "parametrize its parameters."
+        )
     if not is_kha_functional(module):
         module.__class__ = functional_class_for(type(module))
 
@@ -233,10 +244,18 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
     ref = next(iter(module.parameters()), None)
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
     device = ref.device if ref is not None else None
-    transforms = KHATransforms({r: make_transform(p.kind, p.head_dim, dtype=dtype, device=device)
-                                for r, p in extra.roles.items()})
-    plans = [(r, p, [module.get_submodule(path) for path, _, _ in p.params],
-              module.get_submodule(p.call[0]) if p.call is not None else None) for r, p in extra.roles.items()]
+    transforms = KHATransforms(
+        {r: make_transform(p.kind, p.head_dim, dtype=dtype, device=device) for r, p in extra.roles.items()}
+    )
+    plans = [
+        (
+            r,
+            p,
+            [module.get_submodule(path) for path, _, _ in p.params],
+            module.get_submodule(p.call[0]) if p.call is not None else None,
+        )
+        for r, p in extra.roles.items()
+    ]
     for _, _, mods, _ in plans:  # resolve everything before changing anything
         for mod in [module, *mods]:
             _switch(mod)
@@ -248,7 +267,8 @@ def attach(module: nn.Module, entry: Any) -> nn.Module:
         if plan.call is not None:
             _, attr, occ, ndim, axes, positions, post = plan.call
             module.__dict__.setdefault("_kha_calls", []).append(
-                ProjectionCall(w_owner, attr, occ, ndim, axes, {role: positions}, {role: t}, post))
+                ProjectionCall(w_owner, attr, occ, ndim, axes, {role: positions}, {role: t}, post)
+            )
     return module
 
 
@@ -320,8 +340,9 @@ class FunctionalHandler(ProjectionHandler):
     def plan_role(self, entry: Any, role: str, m: RoleMatch, kind: str) -> None:
         add_role(entry, role, m, kind)
 
-    def describe(self, model: nn.Module, roles: dict[str, RoleMatch],
-                 rename: Callable[[str], str] = lambda p: p) -> str:
+    def describe(
+        self, model: nn.Module, roles: dict[str, RoleMatch], rename: Callable[[str], str] = lambda p: p
+    ) -> str:
         return describe(model, roles, rename)
 
     def attach(self, module: nn.Module, entry: Any) -> None:

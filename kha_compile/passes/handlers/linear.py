@@ -3,6 +3,7 @@
 The fallback handler: it owns every projection that is a module's own forward call (after the
 more specific handlers declined). Fold needs the weight orientation (see ``weight_out_axis``).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,11 +23,13 @@ class LinearHandler(ModuleProjectionHandler):
 
     name = "linear"
 
-    def accepts(self, model: nn.Module, m: "RoleMatch") -> tuple[bool, str]:
+    def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         owner = owner_of(model, m)
         if owner is None:
             return False, f"{m.role}: projection owner {m.projection.module_path!r} is not a submodule"
         if m.projection.is_module_call:
             return True, ""
-        return False, (f"{m.role}: weight {m.projection.param} is used functionally inside "
-                       f"{type(owner).__name__} ({m.projection.module_path}); no insertion handler for it")
+        return False, (
+            f"{m.role}: weight {m.projection.param} is used functionally inside "
+            f"{type(owner).__name__} ({m.projection.module_path}); no insertion handler for it"
+        )

@@ -3,6 +3,7 @@
 The whole attention module gets the ``KHAMultiheadAttention`` class (same object and keys); head
 slots are in the weight's row space (``param_space``), and fold rewrites the in-projection rows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

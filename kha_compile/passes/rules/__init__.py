@@ -15,6 +15,7 @@ The API::
     register_rule(rule, *, first=False)      # a duplicate name replaces the old one (logged)
     attention_rules() -> list[AttentionRule]  # in the order they are tried; the first Anchor wins
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,6 @@ __all__ = ["Anchor", "AttentionRule", "attention_rules", "register_rule"]
 log = logging.getLogger(__name__)
 
 
-
 def _builtins() -> list[AttentionRule]:
     from .manual_softmax import ManualSoftmaxRule
     from .sdpa import SDPARule
@@ -35,8 +35,9 @@ def _builtins() -> list[AttentionRule]:
     return [SDPARule(), ManualSoftmaxRule()]
 
 
-RULES: Registry[AttentionRule] = Registry("attention rule", __name__, __path__, builtins=_builtins,
-                                         skip=("base", "sdpa", "manual_softmax"))
+RULES: Registry[AttentionRule] = Registry(
+    "attention rule", __name__, __path__, builtins=_builtins, skip=("base", "sdpa", "manual_softmax")
+)
 
 
 def register_rule(rule: AttentionRule, *, first: bool = False) -> None:

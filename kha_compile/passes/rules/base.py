@@ -5,6 +5,7 @@ op is attention, and for each of q, k, v the node whose last axis is that role's
 (the walk back to the projections starts there). An :class:`Anchor` with empty roles and a
 ``reason``: it looks like attention but the rule declines, and says why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,11 +29,11 @@ class Anchor:
         Anchor(softmax, "manual_softmax", {}, {}, reason="no value matmul after the softmax")
     """
 
-    node: Node                 # the attention op node
-    rule: str                  # rule name, e.g. "sdpa", "manual_softmax"
-    roles: dict[str, Node]     # "q"/"k"/"v" -> node whose LAST axis is that role's head vector (empty if declined)
+    node: Node  # the attention op node
+    rule: str  # rule name, e.g. "sdpa", "manual_softmax"
+    roles: dict[str, Node]  # "q"/"k"/"v" -> node whose LAST axis is that role's head vector (empty if declined)
     head_dims: dict[str, int]  # role -> expected head dim at the anchor
-    reason: str = ""           # non-empty: looks like attention, declined, with why
+    reason: str = ""  # non-empty: looks like attention, declined, with why
 
 
 class AttentionRule(Protocol):

@@ -6,6 +6,7 @@ and the weighted sum of values with ``torch.einsum``. The score einsum contracts
 v, whose remaining letter is v's head dim. Masks, biases, scaling and casts may sit between the
 scores and the softmax, dropout between the softmax and the value einsum.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -31,8 +32,14 @@ def _parse(node: Node) -> tuple[list[str], str, list[Node]] | None:
     if node.op != "call_function" or node.target is not aten.einsum.default or len(node.args) < 2:
         return None
     eq, operands = node.args[0], node.args[1]
-    if not isinstance(eq, str) or "->" not in eq or "..." in eq or not isinstance(operands, (list, tuple)) \
-            or len(operands) != 2 or not all(isinstance(o, Node) for o in operands):
+    if (
+        not isinstance(eq, str)
+        or "->" not in eq
+        or "..." in eq
+        or not isinstance(operands, (list, tuple))
+        or len(operands) != 2
+        or not all(isinstance(o, Node) for o in operands)
+    ):
         return None
     lhs, out = eq.replace(" ", "").split("->")
     ins = lhs.split(",")
@@ -71,7 +78,9 @@ class EinsumSoftmaxRule:
             return Anchor(node, self.name, {}, {}, "score einsum inputs have symbolic shapes")
         value = self._value(node)
         if value is None:
-            return Anchor(node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it")
+            return Anchor(
+                node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it"
+            )
         vnode, (sp, sv), vout, v = value
         vdims = [ch for ch in sv if ch in vout and ch not in sp]
         vs = shape_of(v)

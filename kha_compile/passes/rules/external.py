@@ -8,6 +8,7 @@ of each input, and the head maps (GQA/MQA included) come from the projections, w
 An unregistered op that looks like attention (three or more tensor inputs of rank >= 3 that come
 from projections, q and k with the same last dim) is reported with the call that registers it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ import torch
 from torch.fx import Node
 
 from ...errors import RegistrationError
-from ..layout import LAYOUT_OPS, _NotLayout, push_layout, shape_of
+from ..layout import LAYOUT_OPS, NotLayout, push_layout, shape_of
 from . import register_rule
 from .base import Anchor
 from .flex_attention import FLEX_OPS
@@ -84,10 +85,12 @@ def _resolve(op: Any) -> tuple[list[Any], str]:
             f"{getattr(op, '__qualname__', op)!r} is a Python function, not an op: torch.export traces "
             "through Python functions, so it never appears in the graph. Register the op it calls "
             "(torch.ops.NS.NAME), or make it one with torch.library.custom_op (with a register_fake "
-            "implementation) and register that.")
+            "implementation) and register that."
+        )
     raise RegistrationError(
         f"register_attention_op expects an op (torch.ops.NS.NAME, an overload such as "
-        f"torch.ops.NS.NAME.default, or a torch.library.custom_op), got {type(op).__name__}.")
+        f"torch.ops.NS.NAME.default, or a torch.library.custom_op), got {type(op).__name__}."
+    )
 
 
 def _check_schema(keys: list[Any], name: str, roles: dict[str, int]) -> None:
@@ -99,12 +102,14 @@ def _check_schema(keys: list[Any], name: str, roles: dict[str, int]) -> None:
             if pos >= len(args):
                 raise RegistrationError(
                     f"{name} takes {len(args)} arguments, so {role}={pos} is out of range; pass the "
-                    f"position of the {role} tensor, e.g. register_attention_op({name}, q=0, k=1, v=2).")
+                    f"position of the {role} tensor, e.g. register_attention_op({name}, q=0, k=1, v=2)."
+                )
             if not str(args[pos].type).startswith("Tensor"):
                 raise RegistrationError(
                     f"argument {pos} of {name} ({args[pos].name}: {args[pos].type}) is not a tensor, so it "
                     f"cannot be {role}; its tensor arguments are "
-                    f"{[i for i, a in enumerate(args) if str(a.type).startswith('Tensor')]}.")
+                    f"{[i for i, a in enumerate(args) if str(a.type).startswith('Tensor')]}."
+                )
 
 
 def register_attention_op(op: Any, *, q: int = 0, k: int = 1, v: int = 2, layout: str = "bhsd") -> None:
@@ -130,6 +135,7 @@ def register_attention_op(op: Any, *, q: int = 0, k: int = 1, v: int = 2, layout
         raise RegistrationError(f"layout must be one of {LAYOUTS} (where the heads axis is), got {layout!r}.")
     keys, name = _resolve(op)
     from ..match import SDPA_OPS
+
     if any(key in SDPA_OPS or key in FLEX_OPS for key in keys):
         raise RegistrationError(f"{name} is recognised already (rules sdpa / flex_attention); no need to register it.")
     _check_schema(keys, name, roles)
@@ -214,27 +220,51 @@ class ExternalAttentionRule:
         roles = {r: _arg(node, getattr(spec, r)) for r in "qkv"}
         bad = [r for r, n in roles.items() if not isinstance(n, Node) or shape_of(n) is None]
         if bad:
-            return Anchor(node, self.name, {}, {}, f"{spec.name}: {', '.join(bad)} is not a tensor with a static shape "
-                          f"at the registered position ({', '.join(f'{r}={getattr(spec, r)}' for r in bad)})")
+            return Anchor(
+                node,
+                self.name,
+                {},
+                {},
+                f"{spec.name}: {', '.join(bad)} is not a tensor with a static shape "
+                f"at the registered position ({', '.join(f'{r}={getattr(spec, r)}' for r in bad)})",
+            )
         shapes = {r: shape_of(n) for r, n in roles.items()}
         if shapes["q"][-1] != shapes["k"][-1]:  # type: ignore[index]
-            return Anchor(node, self.name, {}, {}, f"{spec.name}: q and k last dims differ ({shapes['q']} vs {shapes['k']}); "
-                          "check the registered q/k/v positions")
+            return Anchor(
+                node,
+                self.name,
+                {},
+                {},
+                f"{spec.name}: q and k last dims differ ({shapes['q']} vs {shapes['k']}); "
+                "check the registered q/k/v positions",
+            )
         axis = 1 if spec.layout == "bhsd" else 2
         if all(len(s) == 4 for s in shapes.values()):  # type: ignore[arg-type]
             hq, hk, hv = (shapes[r][axis] for r in "qkv")  # type: ignore[index]
             if hk != hv or hq % hk:
-                return Anchor(node, self.name, {}, {}, f"{spec.name}: with layout={spec.layout!r} the heads are q {hq}, "
-                              f"k {hk}, v {hv}, which is not MHA/GQA/MQA; check the registered layout")
+                return Anchor(
+                    node,
+                    self.name,
+                    {},
+                    {},
+                    f"{spec.name}: with layout={spec.layout!r} the heads are q {hq}, "
+                    f"k {hk}, v {hv}, which is not MHA/GQA/MQA; check the registered layout",
+                )
         return Anchor(node, self.name, dict(roles), {r: s[-1] for r, s in shapes.items()})  # type: ignore[index]
 
     def _unregistered(self, g: MatchGraph, node: Node) -> Anchor | None:
         target = node.target
-        if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
-                or _namespace(target) in _KNOWN_NAMESPACES or target in FLEX_OPS:
+        if (
+            not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))
+            or _namespace(target) in _KNOWN_NAMESPACES
+            or target in FLEX_OPS
+        ):
             return None
-        tensors = [(i, a) for i, a in enumerate(node.args) if isinstance(a, Node) and shape_of(a) is not None
-                   and len(shape_of(a)) >= 3]  # type: ignore[arg-type]
+        tensors = [
+            (i, a)
+            for i, a in enumerate(node.args)
+            if isinstance(a, Node) and shape_of(a) is not None and len(shape_of(a)) >= 3
+        ]  # type: ignore[arg-type]
         if len(tensors) < 3:
             return None
         fed = [(i, a) for i, a in tensors if g.find_projections(a, limit=120)[0]]
@@ -246,21 +276,26 @@ class ExternalAttentionRule:
         if self._claimed_later(g, node):
             return None  # a rule registered after this one knows the op: let it answer
         layout = _guess_layout(g, q)
-        call = (f"kc.register_attention_op({_op_name(target)}, q={iq}, k={ik}, v={iv}, layout={layout!r})")
-        return Anchor(node, "unregistered", {}, {},
-                      f"{_op_name(target)} looks like attention (q, k, v come from projections) but is not "
-                      f"registered; if it computes attention, call {call} before kc.apply")
-
+        call = f"kc.register_attention_op({_op_name(target)}, q={iq}, k={ik}, v={iv}, layout={layout!r})"
+        return Anchor(
+            node,
+            "unregistered",
+            {},
+            {},
+            f"{_op_name(target)} looks like attention (q, k, v come from projections) but is not "
+            f"registered; if it computes attention, call {call} before kc.apply",
+        )
 
     def _claimed_later(self, g: MatchGraph, node: Node) -> bool:
         from . import attention_rules
+
         rules = attention_rules()
         mine = next((i for i, r in enumerate(rules) if r.name == self.name), len(rules))
-        return any(r.match(g, node) is not None for r in rules[mine + 1:])
+        return any(r.match(g, node) is not None for r in rules[mine + 1 :])
 
 
 def _guess_layout(g: MatchGraph, node: Node) -> str:
-    """"bhsd" or "bshd" for a 4-D q: which axis the projection's features vary along."""
+    """ "bhsd" or "bshd" for a 4-D q: which axis the projection's features vary along."""
     shape = shape_of(node)
     if shape is None or len(shape) != 4:
         return "bhsd"
@@ -276,12 +311,12 @@ def _guess_layout(g: MatchGraph, node: Node) -> str:
                     if cur.target in LAYOUT_OPS and cur.args and cur.args[0] is prev:
                         idx = push_layout(idx, cur, prev, g.constants)
                     elif shape_of(cur) != shape_of(prev):
-                        raise _NotLayout("shape changes")
+                        raise NotLayout("shape changes")
                 if isinstance(idx, torch.Tensor) and idx.dim() == 4:
                     for axis in (1, 2):
                         if idx.shape[axis] > 1 and bool((idx != idx.narrow(axis, 0, 1)).any()):
                             return "bhsd" if axis == 1 else "bshd"
-            except (_NotLayout, RuntimeError, IndexError, TypeError):
+            except (NotLayout, RuntimeError, IndexError, TypeError):
                 pass
     val: Any = node.meta.get("val")
     try:

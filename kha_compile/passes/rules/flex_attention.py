@@ -5,6 +5,7 @@ and v (B, Hkv, S, Ev): the head vector is the last axis of each, and GQA (``enab
 shows in the head maps read from the projections. A score_mod or block_mask works on the scores
 of each head, after the head vectors are formed, so it does not change where KHA goes.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast

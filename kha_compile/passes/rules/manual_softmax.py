@@ -3,6 +3,7 @@
 Masks, ALiBi biases, scaling and logit soft-capping may sit between the scores and the softmax;
 dropout, casts and head masks between the softmax and the value matmul.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,4 +1,5 @@
 """Rule ``sdpa``: ``aten.scaled_dot_product_attention`` and its fused variants (flash, efficient, cuDNN)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,4 +1,5 @@
 """N-d projections: parameters of rank 3 and more applied with einsum / tensordot."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,13 @@ def test_dense_general_bias_is_a_piece_of_the_projection():
     assert "parametrizes blocks.0.attn.value.kernel, blocks.0.attn.value.bias" in site.note
 
 
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gqa_heads(), st.sampled_from(["dhk", "hdk", "tensordot", "fused"]), st.booleans(),
-       st.sampled_from(["linear", "mlp"]))
+@given(
+    gqa_heads(),
+    st.sampled_from(["dhk", "hdk", "tensordot", "fused"]),
+    st.booleans(),
+    st.sampled_from(["linear", "mlp"]),
+)
 def test_nd_projections_match_a_per_head_reference(heads, layout, bias, kind):
     n_head, n_kv, head_dim = heads
     if layout == "fused":

@@ -1,4 +1,5 @@
 """The functional handler: projection weights used through F.linear / matmul inside another module."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,7 +53,7 @@ def test_fold_param_equals_the_transform_on_the_output():
     x = torch.randn(7, 5)
     t = torch.randn(4, 4)
     y = torch.einsum("nd,tdhk->nthk", x, w)  # (7, 3, 2, 4)
-    idx = (2 * 8 + torch.arange(2).unsqueeze(1) * 4 + torch.arange(4))  # role 2's heads, flat over (t, h, k)
+    idx = 2 * 8 + torch.arange(2).unsqueeze(1) * 4 + torch.arange(4)  # role 2's heads, flat over (t, h, k)
     got = torch.einsum("nd,tdhk->nthk", x, fold_param(w, [(ParamSlot("v", (0, 2, 3), idx), t)]))
     expected = y.clone()
     expected[:, 2] = y[:, 2] @ t
@@ -69,11 +70,14 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
         model(x)
 
 
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gqa_heads(), st.booleans(), st.booleans(), st.sampled_from(["linear", "matmul", "matmul_T"]),
-       st.sampled_from(["linear", "mlp", "mixed"]))
+@given(
+    gqa_heads(),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from(["linear", "matmul", "matmul_T"]),
+    st.sampled_from(["linear", "mlp", "mixed"]),
+)
 def test_functional_weights_match_a_per_head_reference(heads, fused, bias, op, kind):
     n_head, n_kv, head_dim = heads
     torch.manual_seed(0)
@@ -81,8 +85,11 @@ def test_functional_weights_match_a_per_head_reference(heads, fused, bias, op, k
     x = torch.randn(1, 3, 8)
     with torch.no_grad():
         ref = model(x)
-    cfg = {"linear": kc.KHAConfig(q="linear", k="linear", v="linear"), "mlp": kc.KHAConfig(v="mlp"),
-           "mixed": kc.KHAConfig(k="linear", v="mlp")}[kind]
+    cfg = {
+        "linear": kc.KHAConfig(q="linear", k="linear", v="linear"),
+        "mlp": kc.KHAConfig(v="mlp"),
+        "mixed": kc.KHAConfig(k="linear", v="mlp"),
+    }[kind]
     kc.apply(model, cfg, example_args=(x,))
     with torch.no_grad():
         assert torch.equal(model(x), ref)

@@ -1,4 +1,5 @@
 """Projection handlers: tried in order, first match wins; attach, fold and remove go through the owner."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ class TransposedLinear(nn.Module):
 
     def __init__(self, n_in, n_out):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
         self.bias = nn.Parameter(torch.randn(n_out) * 0.1)
 
     def forward(self, x):
@@ -39,7 +40,9 @@ class SquareAttention(nn.Module):
 
     def forward(self, x):
         B, L, D = x.shape
-        q, k, v = (p(x).view(B, L, self.h, D // self.h).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, L, Dh)
+        q, k, v = (
+            p(x).view(B, L, self.h, D // self.h).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )  # (B, H, L, Dh)
         return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D))
 
 

@@ -1,4 +1,5 @@
 """Rule einsum_softmax: einops-style attention (einsum scores and values), both configs, ONNX parity."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,13 +24,13 @@ class EinsumAttention(nn.Module):
 
     def forward(self, x):
         B, L, _ = x.shape
-        q = self.to_q(x).view(B, L, H, self.hd).transpose(1, 2)                   # (B, H, L, Dh)
+        q = self.to_q(x).view(B, L, H, self.hd).transpose(1, 2)  # (B, H, L, Dh)
         k, v = self.to_kv(x).view(B, L, 2, self.kv, self.hd).permute(2, 0, 3, 1, 4)  # (B, Hkv, L, Dh)
         k = k.repeat_interleave(H // self.kv, 1)
         v = v.repeat_interleave(H // self.kv, 1)
-        s = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.hd ** -0.5    # (B, H, L, L)
+        s = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.hd**-0.5  # (B, H, L, L)
         s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -1e9)
-        o = torch.einsum("b h i j, b h j d -> b h i d", s.softmax(-1), v)         # (B, H, L, Dh)
+        o = torch.einsum("b h i j, b h j d -> b h i d", s.softmax(-1), v)  # (B, H, L, Dh)
         return x + self.to_out(o.transpose(1, 2).reshape(B, L, D))
 
 
@@ -57,7 +58,9 @@ def test_einsum_attention_onnx_parity(tmp_path):
     kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x,))
     perturb(model)
     path = kc.export_onnx(model, tmp_path / "einsum.onnx", example_args=(x,), dynamic=False)
-    (got,) = ort.InferenceSession(str(path)).run(None, {ort.InferenceSession(str(path)).get_inputs()[0].name: x.numpy()})
+    (got,) = ort.InferenceSession(str(path)).run(
+        None, {ort.InferenceSession(str(path)).get_inputs()[0].name: x.numpy()}
+    )
     with torch.no_grad():
         want = model(x).numpy()
     assert np.abs(got - want).max() < 1e-4

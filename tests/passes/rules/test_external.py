@@ -1,5 +1,6 @@
 """Rule external: a torch.library custom attention op in (B, S, H, D) layout with GQA, registered
 through kc.register_attention_op; the message for an unregistered one; bad arguments."""
+
 from __future__ import annotations
 
 import pytest
@@ -73,11 +74,11 @@ class ExternalBlock(nn.Module):
 
     def forward(self, x):
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.h, self.hd)   # (B, L, H, Dh)
+        q = self.q_proj(x).view(B, L, self.h, self.hd)  # (B, L, H, Dh)
         k = self.k_proj(x).view(B, L, self.kv, self.hd)  # (B, L, Hkv, Dh)
         v = self.v_proj(x).view(B, L, self.kv, self.hd)
         if self.order == "bshd":
-            o = attn_bshd(q, k, v, self.hd ** -0.5)      # (B, L, H, Dh)
+            o = attn_bshd(q, k, v, self.hd**-0.5)  # (B, L, H, Dh)
         else:
             o = attn_vkq(v.transpose(1, 2), k.transpose(1, 2), q.transpose(1, 2)).transpose(1, 2)
         return x + self.o_proj(o.reshape(B, L, -1))
@@ -152,16 +153,19 @@ def test_registry_lists_and_forgets(registered):
     assert registered_attention_ops()["torch.ops.kha_forms_test.attn_vkq"].q == 2
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, layout="sbhd"), "layout must be one of"),
-    (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, q=0, k=0, v=2), "three different"),
-    (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, q=-1), "non-negative"),
-    (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, v=3), "is not a tensor"),
-    (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, v=7), "out of range"),
-    (lambda: kc.register_attention_op(F.scaled_dot_product_attention), "Python function"),
-    (lambda: kc.register_attention_op("attn"), "expects an op"),
-    (lambda: kc.register_attention_op(torch.ops.aten.scaled_dot_product_attention), "recognised already"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, layout="sbhd"), "layout must be one of"),
+        (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, q=0, k=0, v=2), "three different"),
+        (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, q=-1), "non-negative"),
+        (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, v=3), "is not a tensor"),
+        (lambda: kc.register_attention_op(torch.ops.kha_forms_test.attn_bshd, v=7), "out of range"),
+        (lambda: kc.register_attention_op(F.scaled_dot_product_attention), "Python function"),
+        (lambda: kc.register_attention_op("attn"), "expects an op"),
+        (lambda: kc.register_attention_op(torch.ops.aten.scaled_dot_product_attention), "recognised already"),
+    ],
+)
 def test_bad_registration_arguments(call, match):
     with pytest.raises(RegistrationError, match=match):
         call()

@@ -4,6 +4,7 @@ models with attn_implementation="flex_attention", and random score mods against 
 CPU note: flex_attention has no backward on CPU ("FlexAttention does not support backward on CPU"),
 so on this platform the models run forward only, under no_grad; training a flex model needs a GPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,12 +51,11 @@ class FlexBlock(nn.Module):
     def forward(self, x, block_mask=None):
         B, L, _ = x.shape
         h = self.norm(x)
-        q = self.q_proj(h).view(B, L, self.h, self.hd).transpose(1, 2)   # (B, H, L, Dh)
+        q = self.q_proj(h).view(B, L, self.h, self.hd).transpose(1, 2)  # (B, H, L, Dh)
         k = self.k_proj(h).view(B, L, self.kv, self.hd).transpose(1, 2)  # (B, Hkv, L, Dh)
         v = self.v_proj(h).view(B, L, self.kv, self.hd).transpose(1, 2)
-        o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
-                           enable_gqa=self.kv != self.h)
-        return x + self.o_proj(o.transpose(1, 2).reshape(B, L, -1))      # (B, L, D)
+        o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask, enable_gqa=self.kv != self.h)
+        return x + self.o_proj(o.transpose(1, 2).reshape(B, L, -1))  # (B, L, D)
 
 
 class TwoFlexBlocks(nn.Module):
@@ -114,8 +114,14 @@ transformers = pytest.importorskip("transformers")
 
 def _hf(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    common = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-                  "intermediate_size": 128, "max_position_embeddings": 64}
+    common = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 64,
+    }
     if kind == "llama":
         cfg = transformers.LlamaConfig(num_key_value_heads=2, **common)
         return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
@@ -163,11 +169,15 @@ def test_transformers_flex_mlp_value_is_identity_at_init():
 MODS = {
     "none": (None, lambda s, b, h, q, k: s),
     "bias": (lambda s, b, h, q, k: s + 0.1 * (q - k), lambda s, b, h, q, k: s + 0.1 * (q - k)),
-    "head_slope": (lambda s, b, h, q, k: s - (h + 1) * 0.1 * (q - k).abs(),
-                   lambda s, b, h, q, k: s - (h + 1) * 0.1 * (q - k).abs()),
+    "head_slope": (
+        lambda s, b, h, q, k: s - (h + 1) * 0.1 * (q - k).abs(),
+        lambda s, b, h, q, k: s - (h + 1) * 0.1 * (q - k).abs(),
+    ),
     "softcap": (lambda s, b, h, q, k: 2.0 * torch.tanh(s / 2.0), lambda s, b, h, q, k: 2.0 * torch.tanh(s / 2.0)),
-    "causal": (lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")),
-               lambda s, b, h, q, k: torch.where(q >= k, s, torch.full_like(s, -float("inf")))),
+    "causal": (
+        lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")),
+        lambda s, b, h, q, k: torch.where(q >= k, s, torch.full_like(s, -float("inf"))),
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """Attention rules are a registry: a new attention form is one rule, tried after (or before) the built-ins."""
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,9 @@ class ToyAttention(nn.Module):
 
     def forward(self, x):
         B, L, D = x.shape
-        q, k, v = (p(x).view(B, L, self.h, D // self.h).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, L, Dh)
+        q, k, v = (
+            p(x).view(B, L, self.h, D // self.h).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )  # (B, H, L, Dh)
         return self.o(toy_attention(q, k, v).transpose(1, 2).reshape(B, L, D))
 
 
