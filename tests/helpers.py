@@ -49,3 +49,35 @@ def run_python(script: str, expect: str, timeout: int = 300) -> None:
 
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 and expect in res.stdout, res.stderr[-2000:]
+
+
+# Issue 9's FLOP shape: a Llama with hidden 1024, 8 q / 4 kv heads of 128, 2 layers, batch 4 x seq 2048.
+META_LLAMA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=8192,
+)
+META_BATCH, META_SEQ = 4, 2048
+
+
+def meta_llama() -> nn.Module:
+    """The META_LLAMA model on the meta device (no memory, no compute)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**META_LLAMA))
+
+
+def training_step_flops(model: nn.Module) -> int:
+    """FLOPs of one forward + backward of a META_LLAMA-shaped model, counted by FlopCounterMode on meta."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = torch.zeros(META_BATCH, META_SEQ, dtype=torch.long, device="meta")
+    mask = torch.zeros(META_BATCH, 1, META_SEQ, META_SEQ, device="meta")  # explicit 4-D mask: no .item() on meta
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    return fc.get_total_flops()

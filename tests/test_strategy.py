@@ -13,12 +13,11 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import kha_compile as kc
 import kha_compile.modules as kmod
 import zoo
-from helpers import main_output, perturb
+from helpers import META_BATCH, META_SEQ, main_output, meta_llama, perturb, training_step_flops
 from kha_compile.errors import KHAConfigError
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
@@ -316,29 +315,9 @@ def test_save_load_keeps_strategy(tmp_path):
 
 def test_llama_training_step_flops_at_8192_tokens_linear_auto():
     """Issue 9's shape on the meta device: linear KHA on q, k, v with strategy auto costs <= 1.005x."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=8192,
-    )
-    B, L = 4, 2048
-
-    def step(model) -> int:
-        ids = torch.zeros(B, L, dtype=torch.long, device="meta")
-        mask = torch.zeros(B, 1, L, L, device="meta")  # explicit 4-D mask: no .item() on meta
-        with FlopCounterMode(display=False) as fc:
-            model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
-        return fc.get_total_flops()
-
-    with torch.device("meta"):
-        base_model = LlamaForCausalLM(cfg)
-        kha_model = LlamaForCausalLM(cfg)
+    B, L = META_BATCH, META_SEQ
+    step = training_step_flops
+    base_model, kha_model = meta_llama(), meta_llama()
     kc.apply(kha_model, LINEAR)
     token_model = copy.deepcopy(kha_model)
     _set_strategy(token_model, "token")

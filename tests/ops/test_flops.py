@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import kha_compile as kc
+from helpers import META_BATCH, META_SEQ, meta_llama, training_step_flops
 from kha_compile.ops import mlp_value_backward_flops, mlp_value_flops
 from kha_compile.ops.mlp_value import mlp_value_backward_reference, mlp_value_reference
 
@@ -76,29 +77,9 @@ def test_training_step_counts_forward_and_backward():
 
 def test_llama_training_step_at_8192_tokens_on_meta():
     """Issue 9's shape: hidden 1024, 8 q / 4 kv heads of 128; batch 4 x seq 2048; 2 layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=8192,
-    )
-    B, L = 4, 2048
-
-    def step(model) -> int:
-        ids = torch.zeros(B, L, dtype=torch.long, device="meta")
-        mask = torch.zeros(B, 1, L, L, device="meta")  # explicit 4-D mask: no .item() on meta
-        with FlopCounterMode(display=False) as fc:
-            model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
-        return fc.get_total_flops()
-
-    with torch.device("meta"):
-        base_model = LlamaForCausalLM(cfg)
-        kha_model = LlamaForCausalLM(cfg)
+    B, L = META_BATCH, META_SEQ
+    step = training_step_flops
+    base_model, kha_model = meta_llama(), meta_llama()
     kc.apply(kha_model, kc.KHAConfig(v="mlp"))
     base, kha = step(base_model), step(kha_model)
 
