@@ -98,8 +98,15 @@ def test_resource_parsers():
 
 
 @pytest.mark.slow
-def test_full_sm90_sweep_has_no_spills_and_fits():
-    records = aot.compile_variants(["sm_90"])
+def test_full_sm90_sweep_has_no_spills_and_fits(tmp_path):
+    """``kha-compile kernels --arch sm_90 --json PATH``, as a user runs it, then its records."""
+    import json
+
+    from kha_compile.cli import main
+
+    out = tmp_path / "kernels.json"
+    assert main(["kernels", "--arch", "sm_90", "--json", str(out)]) == 0
+    records = [aot.KernelRecord(**r) for r in json.loads(out.read_text())]
     compiled = [r for r in records if r.registers is not None]
     assert len(compiled) > 100
     assert all(r.ok for r in compiled), [r.to_dict() for r in compiled if not r.ok]
