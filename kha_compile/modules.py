@@ -434,10 +434,10 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
             )
         else:
             b = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
-            q, k, v = F._in_projection(
+            q, k, v = F._in_projection(  # type: ignore[attr-defined]
                 query,
                 key,
-                value,  # type: ignore[attr-defined]
+                value,
                 self.q_proj_weight,
                 self.k_proj_weight,
                 self.v_proj_weight,

@@ -260,11 +260,7 @@ class ExternalAttentionRule:
             or target in FLEX_OPS
         ):
             return None
-        tensors = [
-            (i, a)
-            for i, a in enumerate(node.args)
-            if isinstance(a, Node) and shape_of(a) is not None and len(shape_of(a)) >= 3
-        ]  # type: ignore[arg-type]
+        tensors = [(i, a) for i, a in enumerate(node.args) if isinstance(a, Node) and len(shape_of(a) or ()) >= 3]
         if len(tensors) < 3:
             return None
         fed = [(i, a) for i, a in tensors if g.find_projections(a, limit=120)[0]]
