@@ -352,34 +352,14 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
     ):
         roles = self._kha_roles()
         tokens = query.numel() // max(query.shape[-1], 1)
+        # torch's positional order: query, key, value, key_padding_mask, need_weights, attn_mask, ...
+        args = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         if roles and use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, self.embed_dim):
             with swapped_params(self, self._kha_folded(roles)):
                 if len(roles) == len(self.kha):  # all folded: torch's own forward, fast path included
-                    return nn.MultiheadAttention.forward(
-                        self,
-                        query,
-                        key,
-                        value,
-                        key_padding_mask=key_padding_mask,
-                        need_weights=need_weights,
-                        attn_mask=attn_mask,
-                        average_attn_weights=average_attn_weights,
-                        is_causal=is_causal,
-                    )
-                return self._kha_forward(
-                    query,
-                    key,
-                    value,
-                    key_padding_mask,
-                    need_weights,
-                    attn_mask,
-                    average_attn_weights,
-                    is_causal,
-                    skip=roles,
-                )
-        return self._kha_forward(
-            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-        )
+                    return nn.MultiheadAttention.forward(self, *args)
+                return self._kha_forward(*args, skip=roles)
+        return self._kha_forward(*args)
 
     def _kha_forward(
         self,

@@ -42,13 +42,14 @@ def perturb(model: nn.Module, seed: int = 1, scale: float = 0.1) -> None:
             assert p.is_meta or not torch.equal(p, before), f"perturbing {name} changed nothing"
 
 
-def run_python(script: str, expect: str, timeout: int = 300) -> None:
-    """Run ``script`` in a fresh interpreter; it must exit 0 and print ``expect``."""
+def run_python(script: str, expect: str, timeout: int = 300) -> str:
+    """Run ``script`` in a fresh interpreter; it must exit 0 and print ``expect``. Returns its stdout."""
     import subprocess
     import sys
 
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 and expect in res.stdout, res.stderr[-2000:]
+    return res.stdout
 
 
 # Issue 9's FLOP shape: a Llama with hidden 1024, 8 q / 4 kv heads of 128, 2 layers, batch 4 x seq 2048.

@@ -181,7 +181,9 @@ def test_apply_on_merged_adapters_refused():
 def test_example_lora_kha_runs():
     from helpers import run_python
 
-    run_python("import runpy; runpy.run_path('examples/lora_kha.py', run_name='__main__')", "fold then merge")
+    out = run_python("import runpy; runpy.run_path('examples/lora_kha.py', run_name='__main__')", "fold then merge")
+    diffs = [float(line.rpartition("= ")[2]) for line in out.splitlines() if "max |logits - trained|" in line]
+    assert len(diffs) == 2 and max(diffs) < 1e-5  # merge-then-fold and fold-then-merge equal the trained model
 
 
 @pytest.mark.parametrize("order", ["lora_then_kha", "kha_then_lora"])

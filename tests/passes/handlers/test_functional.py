@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kha_compile as kc
+from helpers import perturb
 from kha_compile.parametrized import ParamSlot, fold_param
 from projection_forms import LINEAR, MLP, check_form, two_blocks
 from projection_reference import FunctionalCase, gqa_heads, kha_transforms, reference
@@ -36,9 +37,7 @@ def test_mixed_linear_q_and_mlp_value_on_one_fused_functional_weight():
     kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=(x,))
     with torch.no_grad():
         assert torch.equal(model(x), ref)
-        for n, p in model.named_parameters():
-            if ".kha." in n:
-                p.add_(0.1 * torch.randn_like(p))
+        perturb(model, scale=0.1)
         out = model(x)
     kc.fold(model, strict=False)  # q, k fold into qkv.weight and q_bias; v stays an intercepted op
     names = [n for n, _ in model.named_parameters() if ".kha." in n]
@@ -93,9 +92,7 @@ def test_functional_weights_match_a_per_head_reference(heads, fused, bias, op, k
     kc.apply(model, cfg, example_args=(x,))
     with torch.no_grad():
         assert torch.equal(model(x), ref)
-        for n, p in model.named_parameters():
-            if ".kha." in n:
-                p.add_(0.2 * torch.randn_like(p))
+        perturb(model, scale=0.2)
         out = model(x)
         expected = reference(model, x, kha_transforms(model))
     assert set(kha_transforms(model)) == set(cfg.roles())
