@@ -2,9 +2,11 @@
 #
 #   KHA_EXTRAS=test source scripts/_venv.sh     # extras to install (default: test)
 #
-# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-# A stamp in .venv records the pyproject.toml hash and the extras; when they match, nothing is
-# installed again, so reruns are fast.
+# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build. Every
+# other package is held at the version in constraints.txt (what the suite was last run with;
+# refresh it with `bash scripts/lock.sh`). A stamp in .venv records the hash of pyproject.toml and
+# constraints.txt and the extras installed; when the hashes match and the extras asked for are
+# among those installed, nothing is installed again, so reruns are fast.
 
 KHA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KHA_EXTRAS="${KHA_EXTRAS:-test}"
@@ -17,12 +19,24 @@ if [ ! -x "$KHA_VENV/bin/python" ]; then
     python3 -m venv "$KHA_VENV"
 fi
 
-_kha_want="$( (cat "$KHA_ROOT/pyproject.toml"; echo "extras=$KHA_EXTRAS torch=$KHA_TORCH") | sha256sum | cut -d' ' -f1)"
-if [ "$(cat "$KHA_STAMP" 2>/dev/null)" != "$_kha_want" ]; then
+_kha_hash="$( (cat "$KHA_ROOT/pyproject.toml" "$KHA_ROOT/constraints.txt"; echo "torch=$KHA_TORCH") | sha256sum | cut -d' ' -f1)"
+_kha_have="$(cat "$KHA_STAMP" 2>/dev/null)"
+_kha_need=0
+if [ "${_kha_have%% *}" != "$_kha_hash" ]; then
+    _kha_need=1
+    _kha_have_extras=""
+else
+    _kha_have_extras=" ${_kha_have#* } "
+    for _kha_x in ${KHA_EXTRAS//,/ }; do
+        case "$_kha_have_extras" in *" $_kha_x "*) ;; *) _kha_need=1 ;; esac
+    done
+fi
+if [ "$_kha_need" = 1 ]; then
     echo "Installing $KHA_TORCH and kha-compile[$KHA_EXTRAS] into $KHA_VENV" >&2
     _kha_pip=("$KHA_VENV/bin/python" -m pip --disable-pip-version-check -q)
-    "${_kha_pip[@]}" install "$KHA_TORCH"
-    "${_kha_pip[@]}" install -e "$KHA_ROOT[$KHA_EXTRAS]"
-    echo "$_kha_want" > "$KHA_STAMP"
+    "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" "$KHA_TORCH"
+    "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" -e "$KHA_ROOT[$KHA_EXTRAS]"
+    _kha_all="$(echo $_kha_have_extras ${KHA_EXTRAS//,/ } | tr ' ' '\n' | sort -u | tr '\n' ' ')"
+    echo "$_kha_hash ${_kha_all% }" > "$KHA_STAMP"
 fi
-unset _kha_want _kha_pip
+unset _kha_hash _kha_have _kha_need _kha_have_extras _kha_x _kha_pip _kha_all

@@ -2,6 +2,7 @@
 # Demo: train all-MiniLM-L6-v2 with and without KHA in turns, compare, fold, export.
 # `bash scripts/demo.sh --docs docs` also refreshes the README's pictures (docs/demo_*.png).
 set -euo pipefail
+KHA_EXTRAS="${KHA_EXTRAS:-demo}"  # only what the demo needs: no test tools
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$KHA_ROOT"
 exec "$KHA_VENV/bin/kha-compile" demo "$@"

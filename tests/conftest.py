@@ -8,3 +8,11 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.inductor``: the test hands graphs to Inductor, whose CPU code is measured first."""
+    if item.get_closest_marker("inductor") is not None:
+        import machine
+
+        machine.require_inductor()

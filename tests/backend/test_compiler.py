@@ -37,6 +37,7 @@ def test_backend_module_is_callable():
 @pytest.mark.parametrize(
     "name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("bert", marks=pytest.mark.slow)]
 )
+@pytest.mark.inductor
 def test_mlp_value_inductor_matches_eager_forward_and_grads(name):
     """One compile with gradients on: outputs and one backward step's KHA gradients match eager."""
     case = kha_case(name, kc.KHAConfig(v="mlp"))
@@ -59,6 +60,7 @@ def test_mlp_value_inductor_matches_eager_forward_and_grads(name):
     assert stats.rewrites["fold_linear"] == 0 and stats.has_kha
 
 
+@pytest.mark.inductor
 def test_linear_qkv_folded_under_no_grad_inductor():
     case = kha_case("llama", kc.KHAConfig(q="linear", k="linear", v="linear"))
     ref = run(case.model, case)
@@ -72,6 +74,7 @@ def test_linear_qkv_folded_under_no_grad_inductor():
 # --- no KHA ---------------------------------------------------------------------------------
 
 
+@pytest.mark.inductor
 def test_model_without_kha_compiles_unchanged_and_logs_once(caplog):
     mod = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     compiled = torch.compile(mod, backend="kha", dynamic=False)

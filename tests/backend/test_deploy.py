@@ -35,6 +35,7 @@ def test_deploy_matches_applied_and_loaded(llama_ckpt, give_model):
 
 
 @pytest.mark.slow
+@pytest.mark.inductor
 def test_deploy_inductor(llama_ckpt):
     path, ref = llama_ckpt
     vanilla = zoo.make("llama")

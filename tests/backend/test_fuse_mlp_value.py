@@ -68,6 +68,7 @@ def test_decomposed_near_misses_declined_with_reason(form, reason):
     assert rel(got, ref) < RTOL_OUT
 
 
+@pytest.mark.inductor
 def test_decomposed_mlp_value_inductor_trains():
     mod, v = HandMLP(), torch.randn(2, 5, 16)
     ref = mod(v)
