@@ -1,4 +1,5 @@
 """Shared helpers of the benchmark scripts: timing side by side and the JSON record."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -31,8 +32,13 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
 
 
 def add_threads_arg(ap) -> None:
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); "
-                    "use 1 on a shared machine, where spinning OpenMP threads distort the timings")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); "
+        "use 1 on a shared machine, where spinning OpenMP threads distort the timings",
+    )
 
 
 def apply_threads(args) -> None:
@@ -41,8 +47,12 @@ def apply_threads(args) -> None:
 
 
 def machine() -> dict[str, object]:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }
 
 
 def write_json(path: str | None, record: dict) -> None:

@@ -6,17 +6,17 @@ Goal: ratio <= 0.25.
 
     python benchmarks/apply_speed.py [--layers 80] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
+from _common import write_json
 
 import kha_compile as kc
-from kha_compile.passes.inputs import example_inputs
-
-from _common import write_json
+from kha_compile.analysis.inputs import example_inputs
 
 
 def main(argv=None) -> dict:
@@ -26,8 +26,14 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=args.layers,
-                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=args.layers,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     ex_args, ex_kwargs = example_inputs(model)

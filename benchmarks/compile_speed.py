@@ -12,6 +12,7 @@ Example::
     python benchmarks/compile_speed.py                 # hidden 1024, 4 layers, 8/4 heads of 128, seq 512, batch 2
     python benchmarks/compile_speed.py --small --steps 5 --json speed.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import kha_compile as kc  # noqa: E402
+from _common import write_json
 
-from _common import write_json  # noqa: E402
+import kha_compile as kc
 
 FULL = dict(hidden=1024, layers=4, heads=8, kv_heads=4, head_dim=128, inter=2816, vocab=8192, seq=512, batch=2)
 SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=704, vocab=1024, seq=128, batch=2)
@@ -34,10 +35,16 @@ SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=704, 
 def build(shape: dict, kha: bool) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
-                      max_position_embeddings=shape["seq"])
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["seq"],
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
     if kha:
@@ -57,7 +64,7 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict[str, lis
             fns[name]()
     times = {k: {"wall": [], "cpu": []} for k in names}
     for i in range(repeats):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             w, c = time.perf_counter(), time.process_time()
             fns[name]()
             times[name]["cpu"].append(time.process_time() - c)
@@ -83,9 +90,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per phase and model (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     ap.add_argument("--phases", default="inference,train", help="comma list of inference, train")
-    ap.add_argument("--profile", action="store_true",
-                    help="also profile one step of the KHA model per phase: the share of time in kha:: ops, "
-                         "a figure that contention on a shared machine moves much less than wall time")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one step of the KHA model per phase: the share of time in kha:: ops, "
+        "a figure that contention on a shared machine moves much less than wall time",
+    )
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -99,8 +109,10 @@ def main(argv=None) -> dict:
     kwargs = dict(input_ids=ids, use_cache=False)
 
     models = {"inductor": build(shape, kha=False), "kha": build(shape, kha=True)}
-    compiled = {"inductor": torch.compile(models["inductor"], backend="inductor"),
-                "kha": torch.compile(models["kha"], backend="kha")}
+    compiled = {
+        "inductor": torch.compile(models["inductor"], backend="inductor"),
+        "kha": torch.compile(models["kha"], backend="kha"),
+    }
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
 
     def infer(key):
@@ -123,31 +135,45 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             steps[phase](key)
             first_call_s[key] = time.perf_counter() - t0
-        times = interleaved({k: (lambda k=k: steps[phase](k)) for k in models}, args.steps,
-                            warmup=max(args.warmup - 1, 0))
+        times = interleaved(
+            {k: (lambda k=k: steps[phase](k)) for k in models}, args.steps, warmup=max(args.warmup - 1, 0)
+        )
         med = {k: statistics.median(v["wall"]) for k, v in times.items()}
         low = {k: min(v["wall"]) for k, v in times.items()}
         cpu = {k: statistics.median(v["cpu"]) for k, v in times.items()}
         results["phases"][phase] = {
-            "median_ms": {k: 1e3 * v for k, v in med.items()}, "ratio": med["kha"] / med["inductor"],
-            "min_ms": {k: 1e3 * v for k, v in low.items()}, "ratio_min": low["kha"] / low["inductor"],
-            "cpu_median_ms": {k: 1e3 * v for k, v in cpu.items()}, "ratio_cpu": cpu["kha"] / cpu["inductor"],
+            "median_ms": {k: 1e3 * v for k, v in med.items()},
+            "ratio": med["kha"] / med["inductor"],
+            "min_ms": {k: 1e3 * v for k, v in low.items()},
+            "ratio_min": low["kha"] / low["inductor"],
+            "cpu_median_ms": {k: 1e3 * v for k, v in cpu.items()},
+            "ratio_cpu": cpu["kha"] / cpu["inductor"],
             "first_call_s": first_call_s,
-            "wall_ms": {k: [round(1e3 * t, 1) for t in v["wall"]] for k, v in times.items()}}
+            "wall_ms": {k: [round(1e3 * t, 1) for t in v["wall"]] for k, v in times.items()},
+        }
         if args.profile:
             results["phases"][phase]["kha_op_share"] = kha_op_share(lambda: steps[phase]("kha"))
     stats = kc.backend.last_stats()
-    results["kha_backend"] = {"rewrites": stats.rewrites, "mlp_value_ops": stats.mlp_value_ops,
-                              "graphs": len(stats.graphs)}
+    results["kha_backend"] = {
+        "rewrites": stats.rewrites,
+        "mlp_value_ops": stats.mlp_value_ops,
+        "graphs": len(stats.graphs),
+    }
 
-    print(f"Llama {shape} | torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.steps} steps after {args.warmup} warmup (min and CPU-time ratios beside it)")
-    print(f"{'phase':<10} {'inductor, no KHA ms':>20} {'kha, KHA-MLP ms':>16} {'ratio':>6} {'min':>6} {'cpu':>6} "
-          f"{'first call s':>14}")
+    print(
+        f"Llama {shape} | torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {args.steps} steps after {args.warmup} warmup (min and CPU-time ratios beside it)"
+    )
+    print(
+        f"{'phase':<10} {'inductor, no KHA ms':>20} {'kha, KHA-MLP ms':>16} {'ratio':>6} {'min':>6} {'cpu':>6} "
+        f"{'first call s':>14}"
+    )
     for phase, r in results["phases"].items():
         m, c = r["median_ms"], r["first_call_s"]
-        print(f"{phase:<10} {m['inductor']:>20.1f} {m['kha']:>16.1f} {r['ratio']:>6.3f} {r['ratio_min']:>6.3f} "
-              f"{r['ratio_cpu']:>6.3f} {c['inductor']:>6.1f} /{c['kha']:>6.1f}")
+        print(
+            f"{phase:<10} {m['inductor']:>20.1f} {m['kha']:>16.1f} {r['ratio']:>6.3f} {r['ratio_min']:>6.3f} "
+            f"{r['ratio_cpu']:>6.3f} {c['inductor']:>6.1f} /{c['kha']:>6.1f}"
+        )
         if "kha_op_share" in r:
             print(f"{'':<10} profiled: {100 * r['kha_op_share']:.2f}% of a KHA {phase} step is in kha:: ops")
     print(f"kha backend: {stats}")

@@ -14,6 +14,7 @@ adds per step should match, with P the KHA parameter count (fp32, 4 bytes):
 
     python benchmarks/distributed.py [--repeats 20] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,15 @@ class CommCounter(TorchDispatchMode):
 def build(seed: int = 0):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train(), cfg
 
@@ -108,6 +116,7 @@ def step_fn(model, ids):  # type: ignore[no-untyped-def]
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
+
     return step
 
 
@@ -128,7 +137,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: d
         times: dict = {k: [] for k in steps}
         order = list(steps)
         for r in range(args.repeats):
-            for k in order[r % len(order):] + order[:r % len(order)]:  # rotate: no variant always follows another
+            for k in order[r % len(order) :] + order[: r % len(order)]:  # rotate: no variant always follows another
                 fn = steps[k]
                 dist.barrier()
                 start = time.perf_counter()
@@ -164,35 +173,55 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
-    torch.multiprocessing.start_processes(_rank0, args=(args.world, _free_port(), args, queue),
-                                          nprocs=args.world, start_method="spawn")
+    torch.multiprocessing.start_processes(
+        _rank0, args=(args.world, _free_port(), args, queue), nprocs=args.world, start_method="spawn"
+    )
     res = queue.get()
     P = res["kha_params"]
     formula = {"fsdp2": 3 * 4 * P, "tp": 4 * P}
-    print(f"Llama hidden 256, 2 layers, 4 q / 2 kv heads (head dim 64), seq {args.seq}, batch {args.batch}; "
-          f"{args.world} CPU ranks (gloo, 1 thread each); KHA-MLP on v: {P} parameters; "
-          f"{args.repeats} steps each, in turns; medians")
+    print(
+        f"Llama hidden 256, 2 layers, 4 q / 2 kv heads (head dim 64), seq {args.seq}, batch {args.batch}; "
+        f"{args.world} CPU ranks (gloo, 1 thread each); KHA-MLP on v: {P} parameters; "
+        f"{args.repeats} steps each, in turns; medians"
+    )
     record: dict = {"kha_params": P, "world": args.world, "seq": args.seq, "batch": args.batch, "repeats": args.repeats}
     for kind in ("fsdp2", "tp"):
         base, kha = (statistics.median(res["times"][(kind, f)]) for f in (False, True))
         base_min, kha_min = (min(res["times"][(kind, f)]) for f in (False, True))
         (b0, c0), (b1, c1) = res["comm"][(kind, False)], res["comm"][(kind, True)]
         added = b1 - b0
-        extra_calls = {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c0) | set(c1)) if c1.get(k, 0) != c0.get(k, 0)}
-        print(f"  {kind:5s} step: no KHA {base * 1e3:7.1f} ms   KHA {kha * 1e3:7.1f} ms   ratio median "
-              f"{kha / base:5.3f}  min {kha_min / base_min:5.3f}")
-        print(f"  {kind:5s} comm/step per rank: no KHA {b0:9d} B   KHA {b1:9d} B   added {added:7d} B   "
-              f"formula {formula[kind]:7d} B ({'matches' if added == formula[kind] else 'DIFFERS'}); "
-              f"extra collectives {extra_calls}")
-        record[kind] = {"step_s": base, "kha_step_s": kha, "ratio": kha / base, "min_ratio": kha_min / base_min,
-                        "comm_bytes": b0,
-                        "kha_comm_bytes": b1, "added_bytes": added, "formula_bytes": formula[kind],
-                        "extra_collectives": extra_calls, "calls": c0, "kha_calls": c1}
+        extra_calls = {
+            k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c0) | set(c1)) if c1.get(k, 0) != c0.get(k, 0)
+        }
+        print(
+            f"  {kind:5s} step: no KHA {base * 1e3:7.1f} ms   KHA {kha * 1e3:7.1f} ms   ratio median "
+            f"{kha / base:5.3f}  min {kha_min / base_min:5.3f}"
+        )
+        print(
+            f"  {kind:5s} comm/step per rank: no KHA {b0:9d} B   KHA {b1:9d} B   added {added:7d} B   "
+            f"formula {formula[kind]:7d} B ({'matches' if added == formula[kind] else 'DIFFERS'}); "
+            f"extra collectives {extra_calls}"
+        )
+        record[kind] = {
+            "step_s": base,
+            "kha_step_s": kha,
+            "ratio": kha / base,
+            "min_ratio": kha_min / base_min,
+            "comm_bytes": b0,
+            "kha_comm_bytes": b1,
+            "added_bytes": added,
+            "formula_bytes": formula[kind],
+            "extra_collectives": extra_calls,
+            "calls": c0,
+            "kha_calls": c1,
+        }
     load = os.getloadavg()[0]
     record["load_average_1min"] = load
-    print(f"  formula: FSDP2 3 * 4 * P (all-gather fwd + bwd, reduce-scatter), TP 4 * P (grad all-reduce); "
-          f"machine {machine()}, load average {load:.1f} on {os.cpu_count()} cores (timings are noisy when it "
-          "exceeds the core count; the byte counts are exact)")
+    print(
+        f"  formula: FSDP2 3 * 4 * P (all-gather fwd + bwd, reduce-scatter), TP 4 * P (grad all-reduce); "
+        f"machine {machine()}, load average {load:.1f} on {os.cpu_count()} cores (timings are noisy when it "
+        "exceeds the core count; the byte counts are exact)"
+    )
     write_json(args.json, record)
     return record
 

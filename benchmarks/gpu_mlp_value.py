@@ -24,6 +24,7 @@ check the script itself where there is no GPU (its timings mean nothing).
 Exit status: 0 measured (goals met or not; see the GOAL lines), 1 the fused result does not match
 the formula, 2 no NVIDIA GPU / no triton here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,12 +40,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import kha_compile  # noqa: F401  (registers torch.ops.kha.*)
-from kha_compile.kernels import (
-    mlp_value_triton_backward,
-    mlp_value_triton_forward,
-    triton_available,
-    triton_supports,
-)
+from kha_compile.kernels import mlp_value_triton_backward, mlp_value_triton_forward, triton_available, triton_supports
 from kha_compile.ops import mlp_value_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -127,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense 16-bit TFLOP/s (default: looked up)")
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
-    p.add_argument("--interpret-smoke", action="store_true",
-                   help="check this script on CPU under TRITON_INTERPRET=1 (small M; timings meaningless)")
+    p.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="check this script on CPU under TRITON_INTERPRET=1 (small M; timings meaningless)",
+    )
     a = p.parse_args(argv)
 
     if a.interpret_smoke:
@@ -136,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         a.m = min(a.m, 256)
         a.reps, a.warmup = min(a.reps, 2), min(a.warmup, 1)
     elif not torch.cuda.is_available():
-        print("gpu_mlp_value: no CUDA GPU is visible to torch; run this on a machine with an NVIDIA GPU "
-              "(and a CUDA build of torch).", file=sys.stderr)
+        print(
+            "gpu_mlp_value: no CUDA GPU is visible to torch; run this on a machine with an NVIDIA GPU "
+            "(and a CUDA build of torch).",
+            file=sys.stderr,
+        )
         return 2
     if not triton_available():
         print("gpu_mlp_value: triton is not importable: `pip install triton`.", file=sys.stderr)
@@ -165,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     e = torch.finfo(dtype).bits // 8
     gen = torch.Generator(device=dev).manual_seed(0)
     v = torch.randn(M, d, device=dev, dtype=dtype, generator=gen)
-    w_up, w_gate, w_down = (
-        (torch.randn(d, d, device=dev, generator=gen) / d**0.5).to(dtype) for _ in range(3)
-    )
+    w_up, w_gate, w_down = ((torch.randn(d, d, device=dev, generator=gen) / d**0.5).to(dtype) for _ in range(3))
     g = torch.randn(M, d, device=dev, dtype=dtype, generator=gen)
 
-    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"peak {peak_gbs or float('nan'):.0f} GB/s ({source}), "
-          f"{peak_tflops or float('nan'):.0f} TFLOP/s dense 16-bit")
+    print(
+        f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+        f"peak {peak_gbs or float('nan'):.0f} GB/s ({source}), "
+        f"{peak_tflops or float('nan'):.0f} TFLOP/s dense 16-bit"
+    )
     print(f"shape: V ({M:,}, {d}) {a.dtype}; weights 3 x ({d}, {d})")
 
     # Correctness first (also runs the autotuner once per launch, outside the timed region).
@@ -190,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         del grads, want
     del y_fused, y_ref, leaves
     bad = {k: x for k, x in errors.items() if not x < tol}
-    print("max error relative to the fp32 formula: " + ", ".join(f"{k} {x:.1e}" for k, x in errors.items())
-          + f" (tolerance {tol:.0e})")
+    print(
+        "max error relative to the fp32 formula: "
+        + ", ".join(f"{k} {x:.1e}" for k, x in errors.items())
+        + f" (tolerance {tol:.0e})"
+    )
     if bad:
         print(f"MISMATCH: {bad}", file=sys.stderr)
         return 1
@@ -228,9 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = {"forward": fwd_bytes, "forward+backward": fwd_bytes + bwd_bytes}
 
     record: dict = {
-        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "M": M, "d": d, "dtype": a.dtype,
-        "peak_gbs": peak_gbs, "peak_tflops": peak_tflops, "peak_source": source, "errors": errors, "cases": {},
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "M": M,
+        "d": d,
+        "dtype": a.dtype,
+        "peak_gbs": peak_gbs,
+        "peak_tflops": peak_tflops,
+        "peak_source": source,
+        "errors": errors,
+        "cases": {},
     }
     print(f"\n{'case':<18} {'impl':<7} {'ms':>9} {'GB/s':>8} {'%peak':>6} {'TFLOP/s':>8} {'roofline ms':>12}")
     for case, (fused, eager) in cases.items():
@@ -240,12 +254,19 @@ def main(argv: list[str] | None = None) -> int:
             gbs = nbytes[case] / (ms * 1e-3) / 1e9
             tflops = flops[case] / (ms * 1e-3) / 1e12
             frac = gbs / peak_gbs if peak_gbs else None
-            roof_ms = max(nbytes[case] / (peak_gbs * 1e9) if peak_gbs else 0.0,
-                          flops[case] / (peak_tflops * 1e12) if peak_tflops else 0.0) * 1e3
+            roof_ms = (
+                max(
+                    nbytes[case] / (peak_gbs * 1e9) if peak_gbs else 0.0,
+                    flops[case] / (peak_tflops * 1e12) if peak_tflops else 0.0,
+                )
+                * 1e3
+            )
             row[impl] = {"ms": ms, "ms_samples": samples, "gbs": gbs, "frac_peak_bw": frac, "tflops": tflops}
-            print(f"{case:<18} {impl:<7} {ms:9.3f} {gbs:8.0f} "
-                  f"{(f'{100 * frac:5.1f}%' if frac is not None else '    -'):>6} {tflops:8.1f} "
-                  f"{(f'{roof_ms:.3f}' if roof_ms else '-'):>12}")
+            print(
+                f"{case:<18} {impl:<7} {ms:9.3f} {gbs:8.0f} "
+                f"{(f'{100 * frac:5.1f}%' if frac is not None else '    -'):>6} {tflops:8.1f} "
+                f"{(f'{roof_ms:.3f}' if roof_ms else '-'):>12}"
+            )
         row["speedup"] = row["unfused"]["ms"] / row["fused"]["ms"]
         row["bytes"], row["flops"] = nbytes[case], flops[case]
         record["cases"][case] = row

@@ -6,6 +6,7 @@ within each architecture's per-block limit.
 
     python benchmarks/kernels_aot.py [--arch sm_80,sm_90] [--json out.json] [--txt out.txt]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,16 +26,23 @@ def table(records) -> str:
     for r in records:
         cfg = ",".join(f"{k}={v}" for k, v in r.config.items())
         cfg = cfg.replace("num_warps", "w").replace("num_stages", "s")
-        lines.append(f"{r.arch:6} {r.kernel:9} {r.dtype:5} {r.head_dim:>4} {cfg:40} {'yes' if r.ok else 'NO':3} "
-                     f"{_n(r.registers):>4} {_n(r.spills):>5} {_n(r.shared_bytes):>7}  {r.reason}")
-    lines += ["", "Summary (compiled variants, head dim <= 128):",
-              f"{'arch':6} {'kernel':9} {'variants':>8} {'max regs':>8} {'spilling':>8} {'max shared':>10} {'limit':>7}"]
+        lines.append(
+            f"{r.arch:6} {r.kernel:9} {r.dtype:5} {r.head_dim:>4} {cfg:40} {'yes' if r.ok else 'NO':3} "
+            f"{_n(r.registers):>4} {_n(r.spills):>5} {_n(r.shared_bytes):>7}  {r.reason}"
+        )
+    lines += [
+        "",
+        "Summary (compiled variants, head dim <= 128):",
+        f"{'arch':6} {'kernel':9} {'variants':>8} {'max regs':>8} {'spilling':>8} {'max shared':>10} {'limit':>7}",
+    ]
     keys = sorted({(r.arch, r.kernel) for r in records if r.registers is not None})
     for arch, kernel in keys:
         rs = [r for r in records if (r.arch, r.kernel) == (arch, kernel) and r.registers is not None]
         limit = SHARED_LIMITS.get(parse_arch(arch), 0)
-        lines.append(f"{arch:6} {kernel:9} {len(rs):>8} {max(r.registers for r in rs):>8} "
-                     f"{sum(1 for r in rs if r.spills):>8} {max(r.shared_bytes for r in rs):>10} {limit:>7}")
+        lines.append(
+            f"{arch:6} {kernel:9} {len(rs):>8} {max(r.registers for r in rs):>8} "
+            f"{sum(1 for r in rs if r.spills):>8} {max(r.shared_bytes for r in rs):>10} {limit:>7}"
+        )
     bad = [r for r in records if r.registers is not None and (not r.ok or r.spills)]
     lines.append(f"\nproblems (not ok, or spilling) among compiled variants: {len(bad)}")
     return "\n".join(lines)
@@ -62,10 +70,17 @@ def main() -> None:
     if args.json:
         import triton
 
-        pathlib.Path(args.json).write_text(json.dumps({
-            "machine": {"triton": triton.__version__, "python": platform.python_version()},
-            "archs": args.arch.split(","), "seconds": round(took, 1),
-            "records": [r.to_dict() for r in records]}, indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(
+                {
+                    "machine": {"triton": triton.__version__, "python": platform.python_version()},
+                    "archs": args.arch.split(","),
+                    "seconds": round(took, 1),
+                    "records": [r.to_dict() for r in records],
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

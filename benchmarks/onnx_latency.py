@@ -7,6 +7,7 @@ MLP-value / baseline <= 1.05.
 
     python benchmarks/onnx_latency.py [--repeats 20] [--small] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,9 @@ import pathlib
 import tempfile
 
 import torch
+from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
 
 import kha_compile as kc
-
-from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
 
 
 def models(small: bool):
@@ -27,17 +27,36 @@ def models(small: bool):
 
     scale = 4 if small else 1
     torch.manual_seed(0)
-    bert = BertModel(BertConfig(hidden_size=768 // scale, num_attention_heads=12, intermediate_size=3072 // scale,
-                                num_hidden_layers=4, vocab_size=8192, attn_implementation="sdpa")).eval()
+    bert = BertModel(
+        BertConfig(
+            hidden_size=768 // scale,
+            num_attention_heads=12,
+            intermediate_size=3072 // scale,
+            num_hidden_layers=4,
+            vocab_size=8192,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     llama = LlamaForCausalLM._from_config(
-        LlamaConfig(hidden_size=1024 // scale, intermediate_size=2816 // scale, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, vocab_size=8192), attn_implementation="sdpa").eval()
+        LlamaConfig(
+            hidden_size=1024 // scale,
+            intermediate_size=2816 // scale,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=8192,
+        ),
+        attn_implementation="sdpa",
+    ).eval()
     return {"bert-base-4L": bert, "llama-1024-4L": llama}
 
 
 def variants(model):
     out = {"baseline": model}
-    for name, cfg in (("folded-linear", kc.KHAConfig(q="linear", k="linear", v="linear")), ("mlp-value", kc.KHAConfig(v="mlp"))):
+    for name, cfg in (
+        ("folded-linear", kc.KHAConfig(q="linear", k="linear", v="linear")),
+        ("mlp-value", kc.KHAConfig(v="mlp")),
+    ):
         m = copy.deepcopy(model)
         kc.apply(m, cfg)
         with torch.no_grad():
@@ -67,23 +86,37 @@ def main(argv=None) -> dict:
             paths = {}
             for vname, m in variants(model).items():
                 paths[vname] = kc.export_onnx(m, pathlib.Path(tmp) / f"{mname}-{vname}.onnx")
-            sessions = {v: ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for v, p in paths.items()}
-            sizes = {v: os.path.getsize(p) + sum(os.path.getsize(x) for x in pathlib.Path(tmp).glob(f"{pathlib.Path(p).name}.*"))
-                     for v, p in paths.items()}
+            sessions = {
+                v: ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for v, p in paths.items()
+            }
+            sizes = {
+                v: os.path.getsize(p)
+                + sum(os.path.getsize(x) for x in pathlib.Path(tmp).glob(f"{pathlib.Path(p).name}.*"))
+                for v, p in paths.items()
+            }
             print(f"{mname}: ONNX sizes " + ", ".join(f"{v} {s / 2**20:.1f} MiB" for v, s in sizes.items()))
             for batch in (1, 8):
                 ids = torch.randint(0, 8192, (batch, args.seq)).numpy()
                 feeds = {}
                 for v, sess in sessions.items():
                     names = [i.name for i in sess.get_inputs()]
-                    feeds[v] = {n: (ids if "input_ids" in n else (ids * 0 + 1) if "mask" in n else ids * 0) for n in names}
-                t = interleaved_medians({v: (lambda s=s, f=feeds[v]: s.run(None, f)) for v, s in sessions.items()},
-                                        args.repeats)
+                    feeds[v] = {
+                        n: (ids if "input_ids" in n else (ids * 0 + 1) if "mask" in n else ids * 0) for n in names
+                    }
+                t = interleaved_medians(
+                    {v: (lambda s=s, f=feeds[v]: s.run(None, f)) for v, s in sessions.items()}, args.repeats
+                )
                 r_fold, r_mlp = t["folded-linear"] / t["baseline"], t["mlp-value"] / t["baseline"]
-                print(f"  batch {batch}, seq {args.seq}: baseline {t['baseline'] * 1e3:7.2f} ms | folded/baseline "
-                      f"{r_fold:5.3f} (goal 1.00) | mlp-value/baseline {r_mlp:5.3f} (goal <= 1.05) "
-                      f"{'OK' if r_mlp <= 1.05 else 'MISSED'}")
-                record[f"{mname}/b{batch}"] = {"baseline_ms": t["baseline"] * 1e3, "folded_ratio": r_fold, "mlp_ratio": r_mlp}
+                print(
+                    f"  batch {batch}, seq {args.seq}: baseline {t['baseline'] * 1e3:7.2f} ms | folded/baseline "
+                    f"{r_fold:5.3f} (goal 1.00) | mlp-value/baseline {r_mlp:5.3f} (goal <= 1.05) "
+                    f"{'OK' if r_mlp <= 1.05 else 'MISSED'}"
+                )
+                record[f"{mname}/b{batch}"] = {
+                    "baseline_ms": t["baseline"] * 1e3,
+                    "folded_ratio": r_fold,
+                    "mlp_ratio": r_mlp,
+                }
             record[f"{mname}/sizes"] = sizes
     write_json(args.json, record)
     return record

@@ -15,6 +15,7 @@ realistic shape. The load average is printed: the machine is shared.
 
     python benchmarks/train_overhead.py [--repeats 10] [--shapes small-batch,realistic] [--threads 1] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,15 @@ def llama_config(shape: str):
     from transformers import LlamaConfig
 
     hidden, inter, layers, hq, hkv, _, _ = SHAPES[shape]
-    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=hq,
-                       num_key_value_heads=hkv, head_dim=128, vocab_size=8192)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=128,
+        vocab_size=8192,
+    )
 
 
 def build(shape: str, device: str = "cpu"):
@@ -71,6 +79,7 @@ def step_fn(model, ids):
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         opt.step()
+
     return step
 
 
@@ -99,20 +108,31 @@ def run_shape(shape: str, repeats: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
     tokens = batch * seq
-    print(f"[{shape}] Llama hidden {hidden}, {layers} layers, {hq} q / {hkv} kv heads of 128, seq {seq} x batch {batch} "
-          f"= {tokens} tokens/step ({tokens / hidden:.0f} x d_model); {torch.get_num_threads()} threads; {repeats} steps "
-          f"each, in turns; load average {load_before:.2f} -> {load_after:.2f}")
-    print(f"  {'variant':14s} {'median ms':>10s} {'min ms':>9s} {'time ratio':>11s} {'min ratio':>10s} {'FLOP ratio':>11s}")
+    print(
+        f"[{shape}] Llama hidden {hidden}, {layers} layers, {hq} q / {hkv} kv heads of 128, seq {seq} x batch {batch} "
+        f"= {tokens} tokens/step ({tokens / hidden:.0f} x d_model); {torch.get_num_threads()} threads; {repeats} steps "
+        f"each, in turns; load average {load_before:.2f} -> {load_after:.2f}"
+    )
+    print(
+        f"  {'variant':14s} {'median ms':>10s} {'min ms':>9s} {'time ratio':>11s} {'min ratio':>10s} {'FLOP ratio':>11s}"
+    )
     record: dict = {"tokens": tokens, "hidden": hidden, "layers": layers, "load_avg": [load_before, load_after]}
     for name, m_s in med.items():
         r_med, r_min = m_s / med["baseline"], low[name] / low["baseline"]
         note = ""
         if name.startswith("linear") and shape == "realistic":
             note = f"  (goal <= {LINEAR_GOAL}) {'OK' if r_med <= LINEAR_GOAL else 'MISSED'}"
-        print(f"  {name:14s} {m_s * 1e3:10.1f} {low[name] * 1e3:9.1f} {r_med:11.4f} {r_min:10.4f} "
-              f"{flops[name]:11.4f}{note}")
-        record[name] = {"median_s": m_s, "min_s": low[name], "time_ratio": r_med, "min_ratio": r_min,
-                        "flop_ratio": flops[name]}
+        print(
+            f"  {name:14s} {m_s * 1e3:10.1f} {low[name] * 1e3:9.1f} {r_med:11.4f} {r_min:10.4f} "
+            f"{flops[name]:11.4f}{note}"
+        )
+        record[name] = {
+            "median_s": m_s,
+            "min_s": low[name],
+            "time_ratio": r_med,
+            "min_ratio": r_min,
+            "flop_ratio": flops[name],
+        }
     return record
 
 

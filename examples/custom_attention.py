@@ -7,6 +7,7 @@ the example inputs are required::
 
     python examples/custom_attention.py
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +18,9 @@ import kha_compile as kc
 def rope(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding, rotate-half form. x: (B, H, L, Dh)."""
     L, Dh = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, Dh, 2, dtype=torch.float32) / Dh))   # (Dh/2,)
-    angles = torch.outer(torch.arange(L, dtype=torch.float32), inv_freq)            # (L, Dh/2)
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)                  # (L, Dh)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, Dh, 2, dtype=torch.float32) / Dh))  # (Dh/2,)
+    angles = torch.outer(torch.arange(L, dtype=torch.float32), inv_freq)  # (L, Dh/2)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (L, Dh)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -28,16 +29,16 @@ class Attention(nn.Module):
     def __init__(self, d: int = 64, n_head: int = 4):
         super().__init__()
         self.n_head, self.dh = n_head, d // n_head
-        self.qkv = nn.Linear(d, 3 * d)   # one fused projection, features interleaved per head: [H, 3, Dh]
+        self.qkv = nn.Linear(d, 3 * d)  # one fused projection, features interleaved per head: [H, 3, Dh]
         self.out = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, L, D = x.shape
-        qkv = self.qkv(x).view(B, L, self.n_head, 3, self.dh)        # (B, L, H, 3, Dh)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4)                          # 3 x (B, H, L, Dh)
+        qkv = self.qkv(x).view(B, L, self.n_head, 3, self.dh)  # (B, L, H, 3, Dh)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # 3 x (B, H, L, Dh)
         q, k = rope(q), rope(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, Dh)
-        return self.out(y.transpose(1, 2).reshape(B, L, D))          # (B, L, D)
+        return self.out(y.transpose(1, 2).reshape(B, L, D))  # (B, L, D)
 
 
 class Block(nn.Module):
@@ -53,7 +54,7 @@ class Block(nn.Module):
 
 torch.manual_seed(0)
 model = nn.Sequential(Block(), Block()).eval()
-x = torch.randn(2, 10, 64)                                            # (B, L, D)
+x = torch.randn(2, 10, 64)  # (B, L, D)
 with torch.no_grad():
     reference = model(x)
 
@@ -69,7 +70,7 @@ report = kc.inspect(model, example_args=(x,))
 print(report)
 assert len(report.matched) == 2 and all(s.rope for s in report.matched)
 with torch.no_grad():
-    assert torch.equal(model(x), reference)                           # identity at init
+    assert torch.equal(model(x), reference)  # identity at init
 
 # Stand-in for training: move every T away from identity.
 with torch.no_grad():

@@ -8,6 +8,7 @@ Order of calls: kc.apply on the plain model -> kc.parallelize (TP, the usual pla
 fully_shard (FSDP2 over the data-parallel axis) -> train -> kc.save_pretrained on every rank
 (rank 0 writes) -> in one process: kc.load_pretrained into the base model, kc.fold.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ import kha_compile as kc
 
 
 def build() -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)  # the same base weights on every rank (and in the single-process check)
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
@@ -52,8 +60,8 @@ def main() -> None:
 
     model = build().to(args.device).train()
     kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear"))  # 1. on the plain model
-    kc.parallelize(model, mesh["tp"], tp_plan(model))                 # 2. tensor parallel
-    for layer in model.model.layers:                                    # 3. FSDP2 over "dp"
+    kc.parallelize(model, mesh["tp"], tp_plan(model))  # 2. tensor parallel
+    for layer in model.model.layers:  # 3. FSDP2 over "dp"
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
 
@@ -89,8 +97,10 @@ def main() -> None:
             before = plain(input_ids=probe).logits
             kc.fold(plain)
             after = plain(input_ids=probe).logits
-        print(f"saved to {holder[0]}; folded into a vanilla {type(plain).__name__}: "
-              f"max |logits difference| {float((before - after).abs().max()):.2e}")
+        print(
+            f"saved to {holder[0]}; folded into a vanilla {type(plain).__name__}: "
+            f"max |logits difference| {float((before - after).abs().max()):.2e}"
+        )
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ runs in a few seconds on a CPU::
 
     python examples/lora_kha.py
 """
+
 import copy
 import tempfile
 
@@ -50,6 +51,8 @@ b = kc.fold(copy.deepcopy(peft_model)).merge_and_unload()
 with torch.no_grad():
     for name, vanilla in (("merge then fold", a), ("fold then merge", b)):
         diff = (vanilla(input_ids=ids).logits - want).abs().max().item()
-        print(f"{name}: {type(vanilla.model.layers[0].self_attn.q_proj).__name__} projections, "
-              f"max |logits - trained| = {diff:.1e}")
+        print(
+            f"{name}: {type(vanilla.model.layers[0].self_attn.q_proj).__name__} projections, "
+            f"max |logits - trained| = {diff:.1e}"
+        )
         assert diff < 1e-4

@@ -5,6 +5,7 @@ Random weights, runs in a few seconds on a CPU::
 
     python examples/quickstart.py
 """
+
 import tempfile
 
 import torch
@@ -16,8 +17,14 @@ import kha_compile as kc
 def tiny_llama() -> LlamaForCausalLM:
     """A 2-layer Llama (GQA: 4 query heads, 2 key/value heads of size 16), same weights every call."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -30,7 +37,7 @@ with torch.no_grad():
 #    transform on the queries as well. For a transformers model the example inputs that the graph
 #    pass traces with are built from its config.
 kc.apply(model, kc.KHAConfig(q="linear", v="mlp"))
-print(kc.inspect(model))           # one row per attention site: kind, heads, rope, which transforms
+print(kc.inspect(model))  # one row per attention site: kind, heads, rope, which transforms
 
 # Every KHA transform starts at identity: the outputs have not changed.
 with torch.no_grad():
@@ -43,7 +50,7 @@ for name, p in model.named_parameters():
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 model.train()
 for step in range(5):
-    loss = model(ids, labels=ids).loss    # next-token loss on the random batch
+    loss = model(ids, labels=ids).loss  # next-token loss on the random batch
     opt.zero_grad()
     loss.backward()
     opt.step()

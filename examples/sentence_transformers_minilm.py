@@ -7,6 +7,7 @@ apply linear KHA -> embeddings unchanged -> a few training steps -> fold (vanill
 
 Needs the hf and onnx extras: pip install 'kha-compile[hf,onnx]'.
 """
+
 import os
 import pathlib
 import sys
@@ -32,18 +33,20 @@ kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear"))
 assert torch.equal(model.encode(sentences, convert_to_tensor=True), before)  # identity at init
 
 # 2. A few steps on an in-batch contrastive loss, training only the KHA parameters.
-pairs = [("The dog chased the cat.", "The cat was chased by the dog."),
-         ("The cat chased the dog.", "The dog was chased by the cat."),
-         ("Alice paid Bob.", "Bob got money from Alice."),
-         ("Bob paid Alice.", "Alice got money from Bob.")]
-tokenize = getattr(model, "preprocess", None) or model.tokenize         # "preprocess" since sentence-transformers 6
-batch = tokenize([a for a, _ in pairs] + [b for _, b in pairs])         # anchors, then positives
+pairs = [
+    ("The dog chased the cat.", "The cat was chased by the dog."),
+    ("The cat chased the dog.", "The dog was chased by the cat."),
+    ("Alice paid Bob.", "Bob got money from Alice."),
+    ("Bob paid Alice.", "Alice got money from Bob."),
+]
+tokenize = getattr(model, "preprocess", None) or model.tokenize  # "preprocess" since sentence-transformers 6
+batch = tokenize([a for a, _ in pairs] + [b for _, b in pairs])  # anchors, then positives
 for name, p in model.named_parameters():
     p.requires_grad_("kha" in name)
 opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 for step in range(5):
-    emb = F.normalize(model(batch)["sentence_embedding"], dim=-1)       # (2N, D)
-    logits = emb[:len(pairs)] @ emb[len(pairs):].T / 0.05                # (N, N): anchor i vs positive j
+    emb = F.normalize(model(batch)["sentence_embedding"], dim=-1)  # (2N, D)
+    logits = emb[: len(pairs)] @ emb[len(pairs) :].T / 0.05  # (N, N): anchor i vs positive j
     loss = F.cross_entropy(logits, torch.arange(len(pairs)))
     opt.zero_grad()
     loss.backward()
@@ -67,8 +70,8 @@ path = kc.export_onnx(transformer, out_dir / "minilm.onnx", example_kwargs=token
 # 5. Run it in onnxruntime, pool and normalize like the SentenceTransformer does, compare.
 session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 feed = {i.name: tokens[i.name].numpy() for i in session.get_inputs()}
-hidden = torch.from_numpy(session.run(None, feed)[0])                   # (B, L, D) last_hidden_state
-mask = tokens["attention_mask"].unsqueeze(-1).float()                   # (B, L, 1)
-onnx_emb = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)    # mean pooling, as the model's Pooling
+hidden = torch.from_numpy(session.run(None, feed)[0])  # (B, L, D) last_hidden_state
+mask = tokens["attention_mask"].unsqueeze(-1).float()  # (B, L, 1)
+onnx_emb = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, as the model's Pooling
 print(f"onnxruntime vs torch: max |diff| = {(onnx_emb - folded).abs().max():.1e}  ({path})")
 assert torch.allclose(onnx_emb, folded, atol=1e-5)

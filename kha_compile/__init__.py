@@ -13,18 +13,18 @@ import logging
 
 # ops registers torch.ops.kha.*; backend registers the torch.compile backend "kha" (lazily), kc.backend(...)
 from . import backend, ops  # noqa: F401
-from .api import apply, inspect, remove
-from .checkpoint import load_pretrained, save_pretrained
-from .config import KHAConfig
-from .errors import KHAError
+from .analysis.rules.external import register_attention_op
+from .core import errors  # kc.errors.FoldError and the other KHAError subclasses
+from .core.errors import KHAError
+from .core.report import AttentionSite, Report
+from .core.version import __version__
 from .exporters import export_onnx, export_tensorrt
+from .handlers.adapter import mark_trainable
+from .model.config import KHAConfig
 from .parallel import parallelize
+from .passes.apply import apply, inspect, remove
+from .passes.checkpoint import load_pretrained, save_pretrained
 from .passes.fold import fold
-from .passes.handlers.adapter import mark_trainable
-from .passes.rules.external import register_attention_op
-from .report import AttentionSite, Report
-
-__version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -36,6 +36,7 @@ __all__ = [
     "__version__",
     "apply",
     "backend",
+    "errors",
     "export_onnx",
     "export_tensorrt",
     "fold",

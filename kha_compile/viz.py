@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MissingDependencyError, NoKHATransformsError
-from .modules import transforms_of
-from .passes.handlers import handler_of
-from .passes.insert import kha_modules
-from .transforms import kind_of
+from .core.errors import MissingDependencyError, NoKHATransformsError
+from .handlers import handler_of
+from .model.carrier import kha_modules, transforms_of
+from .model.transforms import kind_of
 
 __all__ = [
     "COLUMN_ORDER",

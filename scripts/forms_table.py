@@ -9,6 +9,7 @@ Example::
 
     python scripts/forms_table.py            # markdown table on stdout
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,37 +23,81 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclasses.dataclass(frozen=True)
 class Form:
-    name: str      # what the code looks like
-    rule: str      # the anchor rule that matches it
-    tests: str     # regex over collected test ids (file::name[params])
-    onnx: str      # ONNX export status, as the tests assert it
+    name: str  # what the code looks like
+    rule: str  # the anchor rule that matches it
+    tests: str  # regex over collected test ids (file::name[params])
+    onnx: str  # ONNX export status, as the tests assert it
     training: str  # where a training step runs
     drawn: bool = False  # a property test that draws both configs
 
 
 FORMS = [
-    Form("`F.scaled_dot_product_attention` (MHA/GQA/MQA, fused/interleaved qkv, rotary)", "sdpa",
-         r"tests/passes/test_match.py::test_generic_attention", "yes (parity)", "CPU and GPU", drawn=True),
-    Form("`softmax(q @ k^T ...) @ v` (matmul/bmm/baddbmm, masks, ALiBi, soft-capping)", "manual_softmax",
-         r"tests/passes/test_match.py::test_generic_attention", "yes (parity)", "CPU and GPU", drawn=True),
-    Form("`einsum` scores and values (einops style, x-transformers)", "einsum_softmax",
-         r"tests/passes/rules/test_einsum_softmax.py::test_einsum_attention", "yes (parity)", "CPU and GPU"),
-    Form("`flex_attention` (score_mod, BlockMask argument, enable_gqa)", "flex_attention",
-         r"tests/passes/rules/test_flex_attention.py::test_flex_(with|random)", "no (ExportError)",
-         "GPU (torch has no flex backward on CPU)", drawn=True),
-    Form("transformers `attn_implementation=\"flex_attention\"` (Llama, BERT)", "flex_attention",
-         r"tests/passes/rules/test_flex_attention.py::test_transformers_flex", "no (ExportError)",
-         "GPU (torch has no flex backward on CPU)"),
-    Form("your own op (`torch.library.custom_op`, (B, S, H, D) or (B, H, S, D), GQA) via "
-         "`kc.register_attention_op`", "external",
-         r"tests/passes/rules/test_external.py::test_registered", "no, unless the op has an ONNX translation",
-         "CPU and GPU (the op's own backward)"),
-    Form("rotary helpers returning `(q, k)` with `type_as`/`to`; complex RoPE (`view_as_complex`)", "sdpa",
-         r"tests/passes/test_trace_robustness.py::test_rotary_helpers", "-", "CPU and GPU"),
-    Form("x-transformers `TransformerWrapper` (Encoder; Decoder with GQA and rotary)", "einsum_softmax",
-         r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[x_transformers", "-", "CPU and GPU"),
-    Form("fair-esm ESM-2 (separate q/k/v, rotary, `bmm` + softmax, key padding mask)", "manual_softmax",
-         r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[esm2", "-", "CPU and GPU"),
+    Form(
+        "`F.scaled_dot_product_attention` (MHA/GQA/MQA, fused/interleaved qkv, rotary)",
+        "sdpa",
+        r"tests/passes/test_match.py::test_generic_attention",
+        "yes (parity)",
+        "CPU and GPU",
+        drawn=True,
+    ),
+    Form(
+        "`softmax(q @ k^T ...) @ v` (matmul/bmm/baddbmm, masks, ALiBi, soft-capping)",
+        "manual_softmax",
+        r"tests/passes/test_match.py::test_generic_attention",
+        "yes (parity)",
+        "CPU and GPU",
+        drawn=True,
+    ),
+    Form(
+        "`einsum` scores and values (einops style, x-transformers)",
+        "einsum_softmax",
+        r"tests/passes/rules/test_einsum_softmax.py::test_einsum_attention",
+        "yes (parity)",
+        "CPU and GPU",
+    ),
+    Form(
+        "`flex_attention` (score_mod, BlockMask argument, enable_gqa)",
+        "flex_attention",
+        r"tests/passes/rules/test_flex_attention.py::test_flex_(with|random)",
+        "no (ExportError)",
+        "GPU (torch has no flex backward on CPU)",
+        drawn=True,
+    ),
+    Form(
+        'transformers `attn_implementation="flex_attention"` (Llama, BERT)',
+        "flex_attention",
+        r"tests/passes/rules/test_flex_attention.py::test_transformers_flex",
+        "no (ExportError)",
+        "GPU (torch has no flex backward on CPU)",
+    ),
+    Form(
+        "your own op (`torch.library.custom_op`, (B, S, H, D) or (B, H, S, D), GQA) via `kc.register_attention_op`",
+        "external",
+        r"tests/passes/rules/test_external.py::test_registered",
+        "no, unless the op has an ONNX translation",
+        "CPU and GPU (the op's own backward)",
+    ),
+    Form(
+        "rotary helpers returning `(q, k)` with `type_as`/`to`; complex RoPE (`view_as_complex`)",
+        "sdpa",
+        r"tests/passes/test_trace_robustness.py::test_rotary_helpers",
+        "-",
+        "CPU and GPU",
+    ),
+    Form(
+        "x-transformers `TransformerWrapper` (Encoder; Decoder with GQA and rotary)",
+        "einsum_softmax",
+        r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[x_transformers",
+        "-",
+        "CPU and GPU",
+    ),
+    Form(
+        "fair-esm ESM-2 (separate q/k/v, rotary, `bmm` + softmax, key padding mask)",
+        "manual_softmax",
+        r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[esm2",
+        "-",
+        "CPU and GPU",
+    ),
 ]
 
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
@@ -60,8 +105,13 @@ FILES = sorted({f.tests.split("::")[0] for f in FORMS})
 
 def collected() -> list[str]:
     """Test ids pytest collects from the files the table refers to."""
-    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *FILES],
-                         check=False, cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *FILES],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     return [line.strip() for line in res.stdout.splitlines() if "::" in line]
 
 

@@ -7,7 +7,7 @@ import torch
 
 import kha_compile as kc
 from helpers import perturb
-from kha_compile.passes.inputs import example_inputs
+from kha_compile.analysis.inputs import example_inputs
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ from torch import nn
 import kha_compile as kc
 from form_checks import check_form
 from helpers import kha_params
-from kha_compile.errors import TraceError
+from kha_compile.core.errors import TraceError
 
 V, T = 128, 8
 

@@ -31,7 +31,7 @@ def test_kha_matrices_and_labels():
 def test_plot_without_kha_is_refused(tmp_path):
     import pytest
 
-    from kha_compile.errors import NoKHATransformsError
+    from kha_compile.core.errors import NoKHATransformsError
     from kha_compile.viz import plot_kha
 
     pytest.importorskip("matplotlib")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kha_compile.passes.inputs import example_inputs
+from kha_compile.analysis.inputs import example_inputs
 
 __all__ = ["HF_NAMES", "TORCH_NAMES", "ZOO_NAMES", "ZooCase", "make"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..errors import BackendOptionError, DeployError, KHAError
+from ..core.errors import BackendOptionError, DeployError, KHAError
 from .deploy import DeployPlan
 from .graph import BackendOptions, GraphContext, copy_graph, is_mlp_value_op, touches_kha
 from .rules import RULES, Rule, RuleSetup

@@ -18,11 +18,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..api import analyse
-from ..checkpoint import checkpoint_misfit, read_checkpoint
-from ..errors import AlreadyAppliedError, CheckpointError, DeployError, NoAttentionFoundError
-from ..passes.insert import kha_modules
-from .deps import TRANSFORM_PARAMS, HeadSlot
+from ..core.errors import AlreadyAppliedError, CheckpointError, DeployError, NoAttentionFoundError
+from ..handlers import get_handler
+from ..model.carrier import kha_modules
+from ..model.slots import HeadSlot
+from ..model.transforms import get_transform
+from ..passes.apply import analyse
+from ..store.format import checkpoint_misfit, read_checkpoint
 
 __all__ = ["DeployEntry", "DeployPlan", "RoleTransform"]
 
@@ -79,7 +81,7 @@ class DeployPlan:
             raise NoAttentionFoundError(
                 f"deploy: kha_compile found no attention site in {name} to put the checkpoint {self.directory!r} into."
             )
-        unsupported = [p.module_path for p in plan if p.handler not in ("linear", "conv1d")]  # module-call projections
+        unsupported = [p.module_path for p in plan if not get_handler(p.handler).module_call]
         if unsupported:
             raise DeployError(
                 f"deploy mode inserts transforms after projection modules only; {unsupported[:3]} "
@@ -90,7 +92,7 @@ class DeployPlan:
         for p in plan:
             for s in p.slots:
                 if s.role in p.kinds:
-                    for param in TRANSFORM_PARAMS[p.kinds[s.role]]:
+                    for param in get_transform(p.kinds[s.role]).param_names:
                         expected[f"{p.module_path}.kha.{s.role}.{param}"] = (s.head_dim, s.head_dim)
         misfit = checkpoint_misfit(expected, {k: tuple(v.shape) for k, v in self.tensors.items()})
         if misfit:
@@ -100,7 +102,10 @@ class DeployPlan:
             transforms = {
                 s.role: RoleTransform(
                     p.kinds[s.role],
-                    tuple(self.tensors[f"{p.module_path}.kha.{s.role}.{q}"] for q in TRANSFORM_PARAMS[p.kinds[s.role]]),
+                    tuple(
+                        self.tensors[f"{p.module_path}.kha.{s.role}.{q}"]
+                        for q in get_transform(p.kinds[s.role]).param_names
+                    ),
                 )
                 for s in p.slots
                 if s.role in p.kinds

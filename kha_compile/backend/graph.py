@@ -14,8 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from ..errors import BackendError
-from .deps import KHA_CLASSES
+from ..core.errors import BackendError
+from ..model.carrier import KHAProjection
+from ..model.mha import KHAMultiheadAttention
+from ..model.parametrized import KHAFunctional
+from ..model.transforms import transform_kinds
 from .runtime import Recipe, Source, attribute
 from .stats import GraphStats
 
@@ -80,9 +83,17 @@ def inside(node: fx.Node, cls: type) -> bool:
     return (isinstance(top, type) and issubclass(top, cls)) or (isinstance(top, str) and top.endswith(cls.__name__))
 
 
+def kha_classes() -> tuple[type, ...]:
+    """Classes whose presence in a node's module stack means the graph carries KHA: the carriers and
+    every registered transform kind's module."""
+    kinds = tuple(k.module_cls for k in transform_kinds().values())
+    return (KHAProjection, KHAMultiheadAttention, KHAFunctional, *kinds)
+
+
 def touches_kha(node: fx.Node) -> bool:
     """Whether ``node`` is a KHA op or was traced inside a KHA module."""
-    return is_mlp_value_op(node) or any(isinstance(t, type) and issubclass(t, KHA_CLASSES) for t in _module_types(node))
+    classes = kha_classes()
+    return is_mlp_value_op(node) or any(isinstance(t, type) and issubclass(t, classes) for t in _module_types(node))
 
 
 def concrete(value: Any) -> Any:

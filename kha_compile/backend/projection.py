@@ -16,9 +16,10 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, fx
 
-from ..errors import KHAError
-from ..kinds import Role
-from .deps import HeadSlot, fold_rows
+from ..core.errors import KHAError
+from ..core.kinds import Role
+from ..model.rows import fold_rows
+from ..model.slots import HeadSlot
 from .graph import LINEAR_FNS, MATMUL_FNS, GraphContext, concrete
 
 __all__ = [
@@ -239,7 +240,7 @@ def view_descendants(
 
 
 def fold_fn(slots: Sequence[HeadSlot], out_axis: int) -> Callable[..., tuple[Tensor, ...]]:
-    """``fn(W, b, *T) -> (W', b')`` (``(W',)`` without bias): :func:`~kha_compile.passes.fold.fold_rows` per slot.
+    """``fn(W, b, *T) -> (W', b')`` (``(W',)`` without bias): :func:`~kha_compile.model.rows.fold_rows` per slot.
 
     Example::
 

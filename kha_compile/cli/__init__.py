@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import KHAError
 from .commands.bench import list_benchmarks
 from .models import load_model
 from .parser import build_parser, parse
@@ -51,7 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     args.verbose = getattr(args, "verbose", 0)  # -v before or after the command (default SUPPRESS: no clash)
     ui = UI(args.verbose)
-    from .. import KHAError  # the package's class (also when run as __main__)
 
     with command_logging(args.verbose, ui):
         try:

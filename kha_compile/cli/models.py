@@ -10,10 +10,13 @@ from typing import Any, cast
 
 from torch import nn
 
-from ..config import KHAConfig
-from ..errors import MissingDependencyError, ModelLoadError
-from ..kinds import TransformName
-from ..passes.inputs import sentence_transformer_model
+import kha_compile as kc
+
+from ..analysis.inputs import sentence_transformer_model
+from ..core.errors import MissingDependencyError, ModelLoadError
+from ..core.kinds import TransformName
+from ..model.config import KHAConfig
+from . import tiny
 from .ui import UI, quiet_transformers
 
 __all__ = [
@@ -55,7 +58,6 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
 
         model, name = load_model("tiny-llama")
     """
-    from .. import tiny
 
     if spec in tiny.TINY_MODELS or spec == MINILM or pathlib.Path(spec).is_dir():
         require("transformers", "hf")
@@ -107,7 +109,6 @@ def _sentence_transformer(path: str) -> nn.Module:
 
 def load_with_kha(spec: str, kha: str | None, ui: UI) -> tuple[nn.Module, str]:
     """Load MODEL, then the KHA checkpoint ``kha`` into it when given."""
-    import kha_compile as kc
 
     with ui.step(f"load {spec}"):
         model, name = load_model(spec)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ExportError
+from ..core.errors import ExportError
 from .models import require
 
 __all__ = ["FOLD_TOL", "ONNX_TOL", "first_tensor", "max_diff", "ort_run"]

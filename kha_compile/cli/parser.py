@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from .commands import COMMANDS
 
 __all__ = ["build_parser", "parse"]
@@ -18,7 +19,6 @@ def build_parser() -> argparse.ArgumentParser:
 
         args = build_parser().parse_args(["inspect", "tiny-llama"])
     """
-    from .. import __version__
 
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from ..report import Report
+    from ..core.report import Report
 
 __all__ = ["UI", "command_logging", "fmt_diff", "kv_table", "ok_mark", "quiet_transformers", "report_table"]
 

@@ -11,20 +11,33 @@ too, when the plugin is not registered).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
 import logging
 import os
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import BackendUnavailableError, ExportError
+from ..analysis.inputs import example_inputs
+from ..core.errors import ExportError
+from ..ops.mlp_value_onnx import (
+    MLP_VALUE_DOMAIN,
+    MLP_VALUE_DOMAIN_VERSION,
+    MLP_VALUE_OP,
+    PLUGIN_ID,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    import_onnx,
+    mlp_value_function,
+    mlp_value_schema,
+    translate_mlp_value,
+)
+from ..passes.fold import fold as fold_pass
 from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 
@@ -49,16 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MLP_VALUE_DOMAIN = "kha"  # ONNX domain of the custom node
-MLP_VALUE_OP = "MLPValue"  # its op_type; also the TensorRT plugin name
-MLP_VALUE_DOMAIN_VERSION = 1  # opset version of the "kha" domain
-PLUGIN_NAMESPACE = "kha"  # node attribute "plugin_namespace"
-PLUGIN_VERSION = "1"  # node attribute "plugin_version" (tensorrt.plugin registers "1")
-PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{MLP_VALUE_OP}"  # the id tensorrt.plugin.register takes
-
-_MLP_VALUE_INPUTS = ("v", "w_up", "w_gate", "w_down")
-_PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,91 +179,6 @@ def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
 # --------------------------------------------------------------------------------------------
 
 
-def mlp_value_function(opset: int) -> Any:
-    """The ``kha::MLPValue`` FunctionProto: ``y = ((v @ w_up) * sigmoid(v @ w_gate)) @ (2 * w_down)``.
-
-    Written in the default-domain ``opset`` of the model that carries it (a function at another
-    opset than its model fails ``onnx.checker``). Type-generic: the 2 is cast like ``v @ w_up``.
-
-    Example::
-
-        model.functions.append(mlp_value_function(opset=20))
-    """
-    if opset < 15:
-        raise ExportError(
-            f"ONNX export, step 'function': the MLPValue function needs default-domain opset >= 15 "
-            f"(CastLike); the model imports opset {opset}."
-        )
-    onnx = import_onnx()
-    h = onnx.helper
-    nodes = [
-        h.make_node("MatMul", ["v", "w_up"], ["up"]),  # (..., d)
-        h.make_node("MatMul", ["v", "w_gate"], ["gate"]),  # (..., d)
-        h.make_node("Sigmoid", ["gate"], ["gate_sig"]),
-        h.make_node("Mul", ["up", "gate_sig"], ["hidden"]),
-        # the factor 2 goes on the (d, d) weight, not on the (..., d) activations: one pass over
-        # the activations fewer, and exact (scaling by a power of two does not round)
-        h.make_node("Constant", [], ["two_f32"], value_float=2.0),
-        h.make_node("CastLike", ["two_f32", "w_down"], ["two"]),
-        h.make_node("Mul", ["w_down", "two"], ["w_down2"]),
-        h.make_node("MatMul", ["hidden", "w_down2"], ["y"]),  # (..., d)
-    ]
-    return h.make_function(
-        MLP_VALUE_DOMAIN,
-        MLP_VALUE_OP,
-        list(_MLP_VALUE_INPUTS),
-        ["y"],
-        nodes,
-        opset_imports=[h.make_opsetid("", opset)],
-        attributes=list(_PLUGIN_ATTRIBUTES),
-        doc_string="KHA MLP-value transform over the last axis of v; weights are (d, d).",
-    )
-
-
-@contextlib.contextmanager
-def _mlp_value_schema() -> Iterator[None]:
-    """Register the ``kha::MLPValue`` OpSchema for the duration of an export.
-
-    onnxscript needs a schema to build a custom-domain node with attributes. It is removed again
-    afterwards (unless it was there before), so the saved file is checked against its function
-    body, as every other tool will see it.
-    """
-    onnx = import_onnx()
-    from onnx.defs import OpSchema
-
-    if onnx.defs.has(MLP_VALUE_OP, MLP_VALUE_DOMAIN):
-        yield
-        return
-    params = [OpSchema.FormalParameter(name, "T") for name in _MLP_VALUE_INPUTS]
-    schema = OpSchema(
-        MLP_VALUE_OP,
-        MLP_VALUE_DOMAIN,
-        MLP_VALUE_DOMAIN_VERSION,
-        doc="KHA MLP-value: y = 2 * ((v @ w_up) * sigmoid(v @ w_gate)) @ w_down",
-        inputs=params,
-        outputs=[OpSchema.FormalParameter("y", "T")],
-        type_constraints=[
-            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"], "floating point tensors")
-        ],
-        attributes=[
-            OpSchema.Attribute(a, OpSchema.AttrType.STRING, "TensorRT plugin lookup key") for a in _PLUGIN_ATTRIBUTES
-        ],
-    )
-    onnx.defs.register_schema(schema)
-    try:
-        yield
-    finally:
-        onnx.defs.deregister_schema(MLP_VALUE_OP, MLP_VALUE_DOMAIN_VERSION, MLP_VALUE_DOMAIN)
-
-
-def translate_mlp_value(v, w_up, w_gate, w_down):
-    """custom_translation_table entry: ``kha::mlp_value`` -> one ``kha::MLPValue`` node."""
-    from onnxscript.values import Opset
-
-    kha = Opset(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
-    return kha.MLPValue(v, w_up, w_gate, w_down, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
-
-
 # --------------------------------------------------------------------------------------------
 # export_onnx
 # --------------------------------------------------------------------------------------------
@@ -309,7 +227,6 @@ def export_onnx(
     import_onnx()
     if not isinstance(model, nn.Module):
         raise ExportError(f"export_onnx takes an nn.Module; got {type(model).__name__}.")
-    from ..passes.inputs import example_inputs
 
     args, kwargs = example_inputs(model, example_args, example_kwargs)
     kwargs = _without_kv_cache(model, args, kwargs)
@@ -396,14 +313,7 @@ def check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> 
 
 
 def _fold_copy(model: nn.Module) -> None:
-    """Fold the linear KHA of ``model`` (a copy) in place, where the fold pass exists."""
-    try:
-        from ..passes.fold import fold as fold_pass
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__.rsplit('.', 1)[0]}.passes.fold":
-            raise
-        log.info("kha_compile.passes.fold is not available: exporting without folding")
-        return
+    """Fold the linear KHA of ``model`` (a copy) in place."""
     fold_pass(model, strict=False)
     log.info("folded the linear KHA of a copy of %s before export", type(model).__name__)
 
@@ -418,7 +328,7 @@ def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) ->
             f"ONNX export of {name}, step 'export': the example inputs do not fit {name}.forward: {e}"
         ) from e
     try:
-        with _mlp_value_schema():
+        with mlp_value_schema():
             return torch.onnx.export(
                 model,
                 args,
@@ -467,16 +377,3 @@ def _add_mlp_value_function(ir_model: Any) -> None:
             f"ONNX export, step 'function': could not add the {MLP_VALUE_DOMAIN}::"
             f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}"
         ) from e
-
-
-def import_onnx() -> Any:
-    """The ``onnx`` module, after checking that onnx and onnxscript are installed (BackendUnavailableError if not)."""
-    try:
-        import onnx
-        import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter needs it)
-    except ImportError as e:
-        raise BackendUnavailableError(
-            f"ONNX export needs the onnx and onnxscript packages ({e}); install them with "
-            f"`pip install onnx onnxscript` (or `pip install kha-compile[onnx]`)."
-        ) from e
-    return onnx

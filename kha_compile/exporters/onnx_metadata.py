@@ -19,64 +19,13 @@ import logging
 import os
 from typing import Any
 
-from torch import nn
-
-from ..errors import ExportError, KHAError
+from ..core.errors import ExportError
+from ..ops.mlp_value_onnx import import_onnx
+from .metadata import JSON_KEYS, METADATA_KEYS, METADATA_PREFIX, kha_metadata
 
 __all__ = ["METADATA_KEYS", "METADATA_PREFIX", "kha_metadata", "read_kha_metadata"]
 
 log = logging.getLogger(__name__)
-
-METADATA_PREFIX = "kha_compile."
-METADATA_KEYS = tuple(METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded"))
-_SITE_FIELDS = (
-    "name",
-    "kind",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "v_head_dim",
-    "transforms",
-)
-_JSON_KEYS = ("config", "sites", "folded")
-
-
-def kha_metadata(model: nn.Module, args: tuple, kwargs: dict, folded: bool) -> dict[str, str]:
-    """The ``metadata_props`` entries for ``model`` (the caller's, before any fold).
-
-    The sites come from :func:`kha_compile.inspect` on the export's example inputs; a model
-    without KHA is not traced again.
-    """
-    from .. import __version__
-    from ..checkpoint import config_of
-    from ..passes.insert import kha_modules
-
-    has_kha = bool(kha_modules(model))
-    config: dict[str, Any] | None = config_of(model) if has_kha else None
-    sites: list[dict[str, Any]] | None = []
-    if has_kha:
-        from ..api import inspect as inspect_model
-
-        try:
-            report = inspect_model(model, args, kwargs)
-            sites = [{f: getattr(s, f) for f in _SITE_FIELDS} for s in report.matched]
-        except KHAError as e:  # the export itself traced: record that the sites are unknown
-            log.warning(
-                "the ONNX metadata has no KHA sites: kc.inspect failed on %s: %s",
-                type(model).__name__,
-                e,
-            )
-            sites = None
-    values: dict[str, Any] = {
-        "version": __version__,
-        "kha": "applied" if has_kha else "none",
-        "config": config,
-        "sites": sites,
-        "folded": bool(folded and config and "linear" in (config["q"], config["k"], config["v"])),
-    }
-    return {
-        METADATA_PREFIX + k: (json.dumps(v, sort_keys=True) if k in _JSON_KEYS else str(v)) for k, v in values.items()
-    }
 
 
 def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
@@ -92,7 +41,6 @@ def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
         meta = read_kha_metadata("model.onnx")
         meta["config"], [s["name"] for s in meta["sites"]]     # {'v': 'mlp', ...}, ['model.layers.0...']
     """
-    from .onnx import import_onnx
 
     onnx = import_onnx()
     if isinstance(path_or_model, (str, os.PathLike)):
@@ -104,7 +52,7 @@ def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
         if not prop.key.startswith(METADATA_PREFIX):
             continue
         key = prop.key[len(METADATA_PREFIX) :]
-        if key in _JSON_KEYS:
+        if key in JSON_KEYS:
             try:
                 out[key] = json.loads(prop.value)
             except json.JSONDecodeError as e:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import ExportNamesError
+from ..core.errors import ExportNamesError
 
 __all__ = [
     "BATCH_AXIS",

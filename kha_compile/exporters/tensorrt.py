@@ -23,8 +23,9 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import EngineError, ExportError
+from ..core.errors import EngineError, ExportError
 from .onnx import PLUGIN_ID, TensorInfo, check_destination, onnx_summary
+from .tensorrt_aot import mark_aot_nodes
 from .tensorrt_plugin import (
     PLUGIN_DTYPE_NAMES,
     aot_registered,
@@ -314,8 +315,6 @@ def export_tensorrt(
     t0 = time.perf_counter()
     if aot and aot_registered():
         import onnx
-
-        from .tensorrt_aot import mark_aot_nodes
 
         model = onnx.load(str(onnx_path), load_external_data=False)
         log.info(

@@ -28,7 +28,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import KernelCompileError, OpInputError
+from ..core.errors import KernelCompileError, OpInputError
+from ..kernels.aot import KernelVariant, compile_kernel, kernel_variants
 from .onnx import MLP_VALUE_OP, PLUGIN_NAMESPACE
 
 __all__ = [
@@ -118,7 +119,6 @@ def plugin_kernel(dtype: str, head_dim: int, arch: str) -> PluginKernel:
 
         k = plugin_kernel("bf16", 128, "sm_90");  k.name, k.block_m, k.shared_bytes
     """
-    from ..kernels.aot import KernelVariant, compile_kernel, kernel_variants
 
     dtype = PLUGIN_DTYPES.get(dtype, dtype)
     candidates = kernel_variants([dtype], [head_dim], ["fwd"], arch)

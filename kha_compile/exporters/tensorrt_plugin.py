@@ -21,8 +21,11 @@ from typing import Any
 
 import torch
 
-from ..errors import BackendUnavailableError, OpInputError
+from ..core.errors import BackendUnavailableError, OpInputError
+from ..kernels import mlp_value_triton_forward, triton_available, triton_supports
+from ..ops.mlp_value import mlp_value_reference
 from .onnx import PLUGIN_ID
+from .tensorrt_aot import register_mlp_value_aot_impl
 
 __all__ = [
     "PLUGIN_DTYPE_NAMES",
@@ -207,7 +210,6 @@ def register_mlp_value_plugin() -> None:
     if importlib.util.find_spec("triton") is None:
         log.info("Triton is not installed: %s has no AOT implementation and runs JIT", PLUGIN_ID)
         return
-    from .tensorrt_aot import register_mlp_value_aot_impl
 
     register_mlp_value_aot_impl(trt, trtp, PLUGIN_ID)
     _AOT_REGISTERED = True
@@ -215,15 +217,8 @@ def register_mlp_value_plugin() -> None:
 
 def _mlp_value_kernel() -> Callable:
     """``kernel(v, w_up, w_gate, w_down)`` for v (M, d): the Triton forward where it takes (d, dtype)."""
-    from ..ops.mlp_value import mlp_value_reference
 
     try:
-        from ..kernels import (
-            mlp_value_triton_forward,
-            triton_available,
-            triton_supports,
-        )
-
         available = triton_available()
     except ImportError:
         available = False

@@ -33,7 +33,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..errors import BackendUnavailableError, KernelCompileError
+from ..core.errors import BackendUnavailableError, KernelCompileError
+from .mlp_value import config_class, configs_for, launch_supported, padded_d, triton_supports
 
 __all__ = [
     "DTYPES",
@@ -225,14 +226,6 @@ def kernel_variants(
     """
     import torch
 
-    from .mlp_value import (
-        config_class,
-        configs_for,
-        launch_supported,
-        padded_d,
-        triton_supports,
-    )
-
     cc = None if arch is None else parse_arch(arch)
     kernels = tuple(kernels)
     out: list[KernelVariant] = []
@@ -277,8 +270,6 @@ def compile_variants(
         print(max(r.registers for r in records if r.ok))
     """
     import torch
-
-    from .mlp_value import launch_supported, triton_supports
 
     head_dims, dtypes, kernels = tuple(head_dims), tuple(dtypes), tuple(kernels)
     ccs = [(arch, parse_arch(arch)) for arch in archs]

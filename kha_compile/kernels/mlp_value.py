@@ -82,16 +82,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import BackendUnavailableError, OpInputError
-from .configs import (
-    CONFIGS,
-    MIN_DOT,
-    capability,
-    config_class,
-    configs_for,
-    launch_supported,
-    padded_d,
-)
+from ..core.errors import BackendUnavailableError, OpInputError
+from .configs import CONFIGS, MIN_DOT, capability, config_class, configs_for, launch_supported, padded_d
 
 __all__ = [
     "MAX_D",

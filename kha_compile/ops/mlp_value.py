@@ -18,7 +18,9 @@ import logging
 import torch
 from torch import Tensor
 
-from ..errors import OpInputError
+from ..core.errors import OpInputError
+from ..kernels import mlp_value as kernels
+from ..kernels.mlp_value import is_triton_build_error
 
 __all__ = [
     "check_mlp_value_inputs",
@@ -137,7 +139,6 @@ _TRITON_BROKEN: set[tuple[str, int, torch.dtype]] = set()  # launches whose kern
 
 
 def _use_triton(kind: str, v: Tensor) -> bool:
-    from ..kernels import mlp_value as kernels  # no triton import here; triton_available() does that
 
     d = v.shape[-1]
     return (
@@ -154,7 +155,6 @@ def _run_triton(kind: str, v: Tensor, launch):
     Only build-time failures (compile errors, not enough shared memory for any config, e.g. under
     another triton version) fall back; any other error propagates.
     """
-    from ..kernels.mlp_value import is_triton_build_error
 
     try:
         return launch()
@@ -177,8 +177,6 @@ def _run_triton(kind: str, v: Tensor, launch):
 def _mlp_value_cuda(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
     check_mlp_value_inputs(v, w_up, w_gate, w_down)
     if _use_triton("forward", v):
-        from ..kernels import mlp_value as kernels
-
         d = v.shape[-1]
         y = _run_triton(
             "forward", v, lambda: kernels.mlp_value_triton_forward(v.reshape(-1, d), w_up, w_gate, w_down)
@@ -197,8 +195,6 @@ def _mlp_value_backward_cuda(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward_inputs(grad, v, w_up, w_gate, w_down)
     if _use_triton("backward", v):
-        from ..kernels import mlp_value as kernels
-
         d = v.shape[-1]
         out = _run_triton(
             "backward",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from .fsdp import is_sharded, refuse_sharded
+from ..model.sharded import is_sharded, refuse_sharded
 from .sharding import register_mlp_value_sharding
 from .tensor_parallel import parallelize
 

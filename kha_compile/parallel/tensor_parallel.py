@@ -33,152 +33,21 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from ..errors import ShardedModelError, TensorParallelError, UnsupportedModelError
-from ..mixins import mixin_class
-from ..modules import (
-    HeadSlot,
-    KHALinearTransform,
-    KHAMLPValue,
-    KHAMultiheadAttention,
-    KHAProjection,
-    apply_segments,
-    layout_plan,
-    segment_pieces,
-)
-from ..passes.insert import kha_modules
-from .fsdp import is_dtensor
+from ..core.errors import ShardedModelError, TensorParallelError, UnsupportedModelError
+from ..core.optional import is_dtensor
+from ..model.carrier import KHAProjection, kha_modules
+from ..model.mha import KHAMultiheadAttention
+from ..model.sharded import TensorParallelKHA, local_features, local_slots, tp_class
+from ..model.slots import HeadSlot, layout_plan
 from .sharding import register_mlp_value_sharding
 
-__all__ = ["TensorParallelKHA", "parallelize"]
+__all__ = ["parallelize"]
 
 log = logging.getLogger(__name__)
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Identity forward on several tensors; the backward sums their gradients over ``group`` in one all-reduce."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        flat = [g.reshape(-1) for g in grads if g is not None]
-        if len(flat) != len(grads):  # pragma: no cover - every KHA parameter takes part in its forward
-            raise TensorParallelError("a KHA parameter got no gradient on this rank; every rank must use all of them.")
-        bucket = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-        torch.distributed.all_reduce(bucket, group=ctx.group)
-        return (None, *(b.view_as(g) for b, g in zip(bucket.split([f.numel() for f in flat]), grads)))
-
-
-class TensorParallelKHA:
-    """Mixin of a KHA projection sharded column-wise: transforms run on the local heads.
-
-    :func:`parallelize` gives a KHA projection a subclass of this mixin and its own class (so
-    ``detach``/``fold`` still find the original class). ``_kha_tp_layout`` holds the local slots.
-    """
-
-    _kha_tp_layout: tuple[tuple[HeadSlot, ...], str, int]
-    _kha_tp_group: Any
-    kha: nn.ModuleDict
-
-    def kha_transform(self, y: Tensor) -> Tensor:
-        """Apply the transforms to this rank's heads of ``y`` (a DTensor sharded on its last axis)."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(y, DTensor):  # pragma: no cover - ColwiseParallel always gives a DTensor here
-            raise TensorParallelError(
-                "a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel."
-            )
-        local = y.to_local()
-        slots, mode, stride = self._kha_tp_layout
-        fns = {s.role: self._local_fn(s.role) for s in slots}
-        width = local.shape[-1]
-        if mode == "blocks":  # (…, H*Dh) blocks per role
-            bounds: list[Any] = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
-            out = apply_segments(local, width, segment_pieces(bounds, width))
-        else:  # interleaved (…, H, S)
-            lead = local.shape[:-1]
-            y3 = local.reshape(*lead, width // stride, stride)  # (…, H, S)
-            bounds = [(s.offset, s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
-            out = apply_segments(y3, stride, segment_pieces(bounds, stride)).reshape(*lead, width)
-        return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False, shape=y.shape, stride=y.stride())
-
-    def _local_fn(self, role: str) -> Callable[[Tensor], Tensor]:
-        module = self.kha[role]
-        group = self._kha_tp_group
-        names, tensors = zip(*module.named_parameters())
-        local = [p.to_local() if is_dtensor(p) else p for p in tensors]
-        params = dict(zip(names, _SumOverGroup.apply(group, *local)))  # one all-reduce per transform
-        if isinstance(module, KHALinearTransform):  # the two built-in kinds without functional_call's overhead
-            return lambda x: x @ params["weight"]
-        if isinstance(module, KHAMLPValue):
-            return lambda x: torch.ops.kha.mlp_value(x, params["up"], params["gate"], params["down"])
-        return lambda x: torch.func.functional_call(module, params, (x,))
-
-
-def _tp_class(cls: type) -> type:
-    if issubclass(cls, TensorParallelKHA):
-        return cls
-    return mixin_class(TensorParallelKHA, cls, f"TP{cls.__name__}", __name__)
-
-
-def _local_features(weight: Tensor, out_axis: int) -> Tensor | None:
-    """Global indices of this rank's output features (None: the output axis is not sharded)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    placements = weight.placements  # type: ignore[attr-defined]
-    if all(isinstance(p, Replicate) for p in placements):
-        return None
-    if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == out_axis) for p in placements):
-        raise TensorParallelError(f"placements {tuple(placements)}")
-    out = weight.shape[out_axis]
-    idx = torch.arange(out, dtype=torch.int64, device=weight.to_local().device)  # type: ignore[attr-defined]
-    one_d = [Shard(0) if isinstance(p, Shard) else Replicate() for p in placements]
-    return distribute_tensor(idx, weight.device_mesh, one_d, src_data_rank=None).to_local()  # type: ignore[attr-defined]
-
-
-def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[HeadSlot, ...]:
-    """The head slots of ``slots`` that this rank holds, in local feature positions (whole heads only)."""
-    pos = {int(g): i for i, g in enumerate(local.tolist())}
-    out = []
-    for s in slots:
-        index = s.index()  # (H, Dh) global features
-        held = [[pos.get(int(f)) for f in row] for row in index.tolist()]
-        whole = [h for h, row in enumerate(held) if all(p is not None for p in row)]
-        split = [h for h, row in enumerate(held) if any(p is not None for p in row) and h not in whole]
-        if split or not whole:
-            why = (
-                f"head {split[0]} of role {s.role!r} is split across ranks"
-                if split
-                else f"this rank holds no {s.role!r} head"
-            )
-            raise TensorParallelError(
-                f"{name}: {why} ({s.num_heads} {s.role} heads of size {s.head_dim}, {len(local)} of "
-                f"{s.num_heads * s.head_dim if s.head_stride == s.head_dim else 'its'} features here). KHA's "
-                "transforms act on whole head vectors, so every TP rank must hold whole heads of every role: use "
-                "a TP degree that divides the head count of every role (GQA/MQA: the number of kv heads), or "
-                "leave this attention's projections out of the plan (replicated)."
-            )
-        rows = [[int(p) for p in held[h] if p is not None] for h in whole]
-        first = [r[0] for r in rows]
-        stride = first[1] - first[0] if len(first) > 1 else s.head_dim
-        if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or any(
-            f != first[0] + i * stride for i, f in enumerate(first)
-        ):
-            raise TensorParallelError(
-                f"{name}: the local features of role {s.role!r} do not form an affine head layout "
-                "after sharding; kha_compile cannot place its transforms on this shard."
-            )
-        out.append(HeadSlot(s.role, first[0], len(whole), s.head_dim, stride))
-    return tuple(out)
 
 
 def _parent(path: str) -> str:
@@ -233,7 +102,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
             plans[n] = None  # not in the plan: replicated, computed on every rank
             continue
         try:
-            local = _local_features(w, 0)
+            local = local_features(w, 0)
         except TensorParallelError as e:
             raise TensorParallelError(
                 f"{n}: a KHA projection is sharded with {e}; shard q/k/v projections with "
@@ -266,7 +135,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
                         distribute_tensor(param.detach(), mesh, [Replicate()]), requires_grad=param.requires_grad
                     ),
                 )
-        m.__class__ = _tp_class(type(m))
+        m.__class__ = tp_class(type(m))
         m.__dict__["_kha_tp_layout"] = layout
         m.__dict__["_kha_tp_group"] = mesh.get_group()
     count = sum(p is not None for p in plans.values())

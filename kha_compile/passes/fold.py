@@ -1,6 +1,6 @@
 """Fold linear KHA transforms exactly into the projections that produced the head vectors.
 
-One primitive, :func:`~kha_compile.passes.rows.fold_rows` (re-exported here): for head h occupying
+One primitive, :func:`~kha_compile.model.rows.fold_rows` (re-exported here): for head h occupying
 output features R_h of a projection with weight W and bias b,
 
     W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (KHA_SPEC.md, "Folding")
@@ -18,13 +18,14 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from ..errors import FoldError
-from ..modules import transforms_of
-from ..parallel.fsdp import refuse_sharded
-from ..transforms import kind_of
-from .handlers import handler_of, weight_out_axis
-from .insert import kha_modules
-from .rows import fold_rows
+from ..core.errors import FoldError
+from ..handlers import adapter, handler_of, projection_handlers
+from ..model.adapter import unwrap_model
+from ..model.carrier import kha_modules, transforms_of
+from ..model.rows import fold_rows, weight_out_axis
+from ..model.sharded import refuse_sharded
+from ..model.transforms import kind_of
+from ..store.hf import record_config
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
 
@@ -56,8 +57,6 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         kc.fold(model)                    # vanilla architecture, original state_dict keys
         kc.fold(model, strict=False)      # keeps v="mlp", folds q/k linear
     """
-    from .handlers import adapter
-
     adapter.sync(model)  # KHA that PEFT wrapped as base_layer moves out to the adapter wrapper first
     modules = kha_modules(model)
     if modules:
@@ -96,9 +95,9 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         linear_roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
         folded += len(linear_roles)
         handler_of(m).drop(m, linear_roles)
+    for handler in projection_handlers():
+        handler.cleanup(model)
     adapter.unwatch(model)
-    from ..hf_checkpoint import record_config
-
-    record_config(model)
+    record_config(unwrap_model(model))
     log.info("fold: folded %d linear KHA transforms; %d MLP-value transforms kept", folded, len(mlp))
     return model

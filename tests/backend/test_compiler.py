@@ -16,7 +16,7 @@ from torch import nn
 
 import kha_compile as kc
 from kha_compile.backend import KHABackend
-from kha_compile.errors import BackendOptionError, KHAError
+from kha_compile.core.errors import BackendOptionError, KHAError
 
 
 def test_backend_module_is_callable():

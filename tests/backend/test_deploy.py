@@ -8,7 +8,7 @@ from backend_cases import RTOL_OUT, kha_case, rel, run
 
 import kha_compile as kc
 import zoo
-from kha_compile.errors import CheckpointError, KHAError
+from kha_compile.core.errors import CheckpointError, KHAError
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kha_compile.backend.deps import HeadSlot
+from kha_compile.model.slots import HeadSlot
 from kha_compile.backend.projection import fold_fn
 
 

@@ -6,7 +6,7 @@ import torch
 from cli_cases import run, trained_checkpoint
 
 import kha_compile as kc
-from kha_compile import tiny
+from kha_compile.cli import tiny
 
 
 def test_fold_saves_a_vanilla_model_equal_to_the_kha_model(capsys, tmp_path):

@@ -8,8 +8,7 @@ import logging
 from cli_cases import run
 
 import kha_compile as kc
-from kha_compile import tiny
-from kha_compile.cli import main
+from kha_compile.cli import main, tiny
 
 
 def test_inspect_prints_every_site(capsys):

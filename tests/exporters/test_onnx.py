@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import kha_compile  # noqa: F401  (registers torch.ops.kha.mlp_value)
-from kha_compile.errors import ExportError
+from kha_compile.core.errors import ExportError
 from kha_compile.exporters.onnx import (
     MLP_VALUE_DOMAIN,
     MLP_VALUE_OP,

@@ -14,7 +14,7 @@ from torch import nn
 import kha_compile as kc
 import zoo
 from helpers import perturb
-from kha_compile.errors import ExportError, ExportNamesError
+from kha_compile.core.errors import ExportError, ExportNamesError
 from kha_compile.exporters.onnx import METADATA_KEYS, onnx_summary, read_kha_metadata
 
 onnx = pytest.importorskip("onnx")

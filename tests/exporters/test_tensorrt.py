@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from kha_compile.errors import BackendUnavailableError, ExportError, OpInputError
+from kha_compile.core.errors import BackendUnavailableError, ExportError, OpInputError
 from kha_compile.exporters import tensorrt as trt_export
 from kha_compile.exporters import tensorrt_plugin as trt_plugin
 from kha_compile.exporters.onnx import PLUGIN_ID, TensorInfo

@@ -18,7 +18,7 @@ import pytest
 import sympy
 import torch
 
-from kha_compile.errors import KernelCompileError, OpInputError
+from kha_compile.core.errors import KernelCompileError, OpInputError
 from kha_compile.exporters import tensorrt_aot as taot
 from kha_compile.exporters import tensorrt_plugin as trt_plugin
 from kha_compile.exporters.onnx import PLUGIN_ID

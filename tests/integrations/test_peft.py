@@ -9,7 +9,7 @@ import torch
 
 import kha_compile as kc
 from helpers import kha_params, perturb
-from kha_compile import tiny
+from kha_compile.cli import tiny
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model

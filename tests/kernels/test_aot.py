@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from kha_compile.errors import KernelCompileError
+from kha_compile.core.errors import KernelCompileError
 from kha_compile.kernels import aot
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import torch
 
 import kha_compile  # noqa: F401  (registers torch.ops.kha.*)
 import kha_compile.kernels.mlp_value as km
-from kha_compile.errors import BackendUnavailableError, KHAError, OpInputError
+from kha_compile.core.errors import BackendUnavailableError, KHAError, OpInputError
 from kha_compile.kernels import mlp_value_triton, mlp_value_triton_backward, triton_available
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

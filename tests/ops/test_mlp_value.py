@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kha_compile  # noqa: F401  (registers torch.ops.kha.*)
-from kha_compile.errors import KHAError, OpInputError
+from kha_compile.core.errors import KHAError, OpInputError
 from kha_compile.ops.mlp_value import (
     check_mlp_value_inputs,
     mlp_value_backward,

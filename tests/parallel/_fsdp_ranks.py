@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 import kha_compile as kc
-from kha_compile import tiny
-from kha_compile.errors import ShardedModelError
+from kha_compile.cli import tiny
+from kha_compile.core.errors import ShardedModelError
 
 TOL = 1e-5
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")

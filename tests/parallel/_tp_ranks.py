@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed.tensor  # before kha_compile: then its import registers mlp_value's DTensor rule
 
 import kha_compile as kc
-from kha_compile import tiny
+from kha_compile.cli import tiny
+from kha_compile.store.format import read_checkpoint
 
 TOL = 1e-5
 
@@ -190,7 +191,7 @@ def main_tp():
     out_dir = sys.argv[2]
     kc.save_pretrained(model, out_dir)
     if dist.get_rank() == 0:
-        _, tensors = kc.checkpoint.read_checkpoint(out_dir)
+        _, tensors = read_checkpoint(out_dir)
         assert set(tensors) == set(got[2]) and all(torch.equal(tensors[k], got[2][k]) for k in tensors)
     print("OK tp save")
     # MQA: one kv head cannot be split over 2 ranks

@@ -11,9 +11,9 @@ import pytest
 import torch
 from _launch import expect, torchrun
 
-from kha_compile.errors import TensorParallelError
-from kha_compile.modules import HeadSlot
-from kha_compile.parallel.tensor_parallel import local_slots
+from kha_compile.core.errors import TensorParallelError
+from kha_compile.model.sharded import local_slots
+from kha_compile.model.slots import HeadSlot
 
 
 @pytest.fixture(scope="module")

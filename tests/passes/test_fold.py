@@ -8,9 +8,11 @@ import torch
 import kha_compile as kc
 import zoo
 from helpers import kha_params, perturb, run, run_python
-from kha_compile.errors import FoldError
-from kha_compile.modules import HeadSlot, KHAMultiheadAttention, KHAProjection
-from kha_compile.passes.fold import fold_rows
+from kha_compile.core.errors import FoldError
+from kha_compile.model.carrier import KHAProjection
+from kha_compile.model.mha import KHAMultiheadAttention
+from kha_compile.model.rows import fold_rows
+from kha_compile.model.slots import HeadSlot
 
 LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Protocol
 
 from torch import fx
 
-from ...errors import BackendError, KHAError
+from ...core.errors import BackendError, KHAError
 from ..graph import BackendOptions, GraphContext
 from ..stats import Decline, RuleName, Verdict, fail
 

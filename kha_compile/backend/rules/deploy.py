@@ -9,16 +9,16 @@ code as a model with KHA applied), with the checkpoint tensors as extra graph in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, fx
 
-from ...errors import BackendError, DeployError
-from ...kinds import Role
+from ...core.errors import BackendError, DeployError
+from ...core.kinds import Role
+from ...model.slots import HeadSlot, layout_plan, transform_slices
+from ...model.transforms import get_transform
 from ..deploy import DeployEntry, RoleTransform
-from ..deps import TRANSFORM_PARAMS, HeadSlot, KHAProjection, KHATransforms, make_transform
 from ..graph import GraphContext
 from ..projection import Projection, fold_fn, projection
 from ..runtime import Recipe, Source
@@ -41,40 +41,35 @@ class _DeployMatch:
 class TransformCall:
     """Graph target ``(y, *tensors) -> y'``: a projection's KHA transforms applied to its output ``y``.
 
-    Builds a stand-in :class:`KHAProjection` whose transforms hold the given tensors and runs its
-    ``kha_transform``, so the head layout cut and each transform's forward are the package's own.
-    ``tensors`` are the roles' tensors in role order (``TRANSFORM_PARAMS[kind]`` order within a role).
+    Cuts the head slices out of ``y`` as a carrier does (:func:`~kha_compile.model.slots.transform_slices`)
+    and runs each kind's functional form on them, so the layout and the transforms are the package's own.
+    ``tensors`` are the roles' tensors in role order (``param_names`` order of the kind within a role).
     """
 
     def __init__(self, slots: Sequence[HeadSlot], kinds: Mapping[Role, str], out_features: int, name: str):
         self.slots = tuple(slots)
         self.kinds = dict(kinds)  # role -> kind, in the order of the tensors
         self.out_features = out_features
+        self.mode, self.stride = layout_plan(self.slots, out_features)
         self.__name__ = name  # how the generated graph code names it
         self.__module__ = __name__
-        self.kha_mlp_value_ops = sum(kind == "mlp" for kind in self.kinds.values())
-
-    def _stand_in(self, tensors: Sequence[Tensor]) -> KHAProjection:
-        proj = KHAProjection()
-        transforms = KHATransforms()
-        it = iter(tensors)
-        for role, kind in self.kinds.items():
-            head_dim = next(s.head_dim for s in self.slots if s.role == role)
-            t = make_transform(kind, head_dim, device=torch.device("meta"))
-            for pname in TRANSFORM_PARAMS[kind]:
-                delattr(t, pname)
-                setattr(t, pname, next(it))  # a plain tensor attribute: the graph input
-            transforms[role] = t
-        proj.kha = transforms
-        proj._kha_slots = self.slots
-        proj._kha_out_features = self.out_features
-        return proj
+        self.kha_mlp_value_ops = sum(not get_transform(kind).foldable for kind in self.kinds.values())
 
     def __call__(self, y: Tensor, *tensors: Tensor) -> Tensor:
-        return self._stand_in(tensors).kha_transform(y)  # (…, out_features)
+        it = iter(tensors)
+        fns: dict[str, Callable[[Tensor], Tensor]] = {}
+        for role, kind in self.kinds.items():
+            spec = get_transform(kind)
+            params = [next(it) for _ in spec.param_names]
+            fns[role] = _bound(spec, params)
+        return transform_slices(y, self.slots, self.mode, self.stride, fns)  # (…, out_features)
 
     def __repr__(self) -> str:
         return f"TransformCall({self.__name__}, {self.kinds})"
+
+
+def _bound(spec: Any, params: list[Tensor]) -> Callable[[Tensor], Tensor]:
+    return lambda x: spec.functional(x, *params)
 
 
 class DeployKHA(Rule):
@@ -148,11 +143,13 @@ class DeployKHA(Rule):
         may_fold = ctx.options.get("fold", True) and not (
             ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad))
         )
-        fold = [s for s in slots if consts[s.role].kind == "linear"] if may_fold else []
+        fold = [s for s in slots if get_transform(consts[s.role].kind).foldable] if may_fold else []
         keep = [s for s in slots if s not in fold]
         if fold:
             srcs = [ctx.source(proj.weight), ctx.source(proj.bias)]
-            srcs += [Source.const(consts[s.role].tensors[0]) for s in fold]
+            srcs += [
+                Source.const(get_transform(consts[s.role].kind).fold_matrix_of(*consts[s.role].tensors)) for s in fold
+            ]
             new = ctx.add_inputs(Recipe(srcs, fold_fn(fold, proj.out_axis)), f"kha_deploy_folded_{proj.node.name}")
             proj.replace(new[0], new[1] if proj.bias is not None else None)
         if keep:

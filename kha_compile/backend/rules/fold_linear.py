@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, fx
 
-from ...errors import KHAError
-from ..deps import HeadSlot, KHALinearTransform
+from ...core.errors import KHAError
+from ...model.slots import HeadSlot
+from ...model.transforms.linear import KHALinearTransform
 from ..graph import GraphContext, concrete, inside, is_matmul
 from ..projection import Projection, features, fold_fn, slot_of, trace_back, view_descendants
 from ..runtime import Recipe

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ...errors import CommandError
+from ...core.errors import CommandError
 from ..ui import UI
 
 __all__ = ["NAME", "benchmarks_dir", "list_benchmarks", "register", "run"]

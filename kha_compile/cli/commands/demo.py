@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
-from ...errors import CommandError
+import kha_compile as kc
+
+from ...core.errors import CommandError
+from ...exporters.onnx import export_onnx, onnx_summary
+from ...viz import LOSS_CURVES_FILE, diagonal_summary, plot_diagonal, plot_kha, plot_loss_curves
 from ..demo_train import DemoRun, TrainSpec, docstring_pairs, train_in_turns
 from ..models import export_target, kha_leftovers, kha_param_count, load_minilm
 from ..ort import FOLD_TOL, ONNX_TOL, max_diff, ort_run
@@ -248,7 +252,6 @@ def _pictures(
     if not _importable("matplotlib"):
         ui.out.print("[dim]matplotlib not installed: no pictures (pip install 'kha-compile\\[viz]')[/]")
         return []
-    from ...viz import plot_diagonal, plot_kha, plot_loss_curves
 
     with ui.step(f"draw {', '.join(PICTURES)} in {out_dir}"):
         return [
@@ -274,10 +277,6 @@ def _pictures(
 
 def _demo(args: argparse.Namespace, ui: UI) -> int:
     from rich.panel import Panel
-
-    import kha_compile as kc
-
-    from ...viz import LOSS_CURVES_FILE, diagonal_summary
 
     t_start = time.perf_counter()
     ui.steps = ui.out
@@ -432,9 +431,6 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
 
 
 def _demo_export(st: Any, out_dir: pathlib.Path, ui: UI) -> tuple[list[_Check], dict[str, float]]:
-    import kha_compile as kc
-
-    from ...exporters.onnx import export_onnx, onnx_summary
 
     checks = []
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 
-from ...errors import CommandError
-from ...passes.inputs import example_inputs
+import kha_compile as kc
+
+from ...analysis.inputs import example_inputs
+from ...core.errors import CommandError
+from ...exporters.onnx import export_onnx, onnx_summary
 from ..models import MODEL_HELP, export_target, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
 from ..ui import UI, fmt_diff, kv_table, ok_mark
@@ -67,9 +70,6 @@ def prepare_output(out: pathlib.Path, ui: UI) -> None:
 
 def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile export``."""
-    import kha_compile as kc
-
-    from ...exporters.onnx import export_onnx, onnx_summary
 
     out = pathlib.Path(args.output)
     model, name = load_with_kha(args.model, args.kha, ui)

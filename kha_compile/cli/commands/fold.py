@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
-from ...errors import CommandError, FoldError
-from ...passes.inputs import example_inputs
+import kha_compile as kc
+
+from ...analysis.inputs import example_inputs
+from ...core.errors import CommandError, FoldError
 from ..models import MODEL_HELP, kha_leftovers, load_with_kha
 from ..ort import FOLD_TOL, first_tensor, max_diff
 from ..ui import UI, fmt_diff, kv_table
@@ -41,7 +43,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile fold``."""
-    import kha_compile as kc
 
     model, name = load_with_kha(args.model, args.kha, ui)
     ex_args, ex_kwargs = example_inputs(model)

@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import kha_compile as kc
+
 from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha
 from ..ui import UI, report_table
 
@@ -63,7 +65,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.Argumen
 
 def run_inspect(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile inspect``."""
-    import kha_compile as kc
 
     model, name = load_with_kha(args.model, args.kha, ui)
     with ui.step("trace and match"):
@@ -83,7 +84,6 @@ def run_inspect(args: argparse.Namespace, ui: UI) -> int:
 
 def run_apply(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile apply``."""
-    import kha_compile as kc
 
     cfg = config_from(args.q, args.k, args.v)  # validate before loading anything
     model, name = load_with_kha(args.model, None, ui)

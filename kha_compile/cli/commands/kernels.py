@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import BackendUnavailableError
+from ...kernels.aot import compile_variants
 from ..ui import UI, ok_mark
 
 __all__ = ["NAME", "load_compile_variants", "parse_archs", "register", "run"]
@@ -60,19 +60,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def load_compile_variants() -> Callable[[list[str]], Sequence[Any]]:
-    """``kha_compile.kernels.aot.compile_variants``, or a clear error when it cannot be imported."""
-    try:
-        from ...kernels.aot import compile_variants
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("kha_compile"):
-            raise BackendUnavailableError(
-                "kha-compile kernels needs kha_compile.kernels.aot (ahead-of-time Triton compilation), which this "
-                "installation of kha_compile does not have; update kha_compile."
-            ) from e
-        raise BackendUnavailableError(
-            f"kha-compile kernels needs {e.name or 'triton'} to compile the kernels: pip install "
-            "'kha-compile[triton]' (no GPU is needed)."
-        ) from e
+    """``kha_compile.kernels.aot.compile_variants`` (it raises BackendUnavailableError without triton)."""
     fn: Callable[[list[str]], Sequence[Any]] = compile_variants
     return fn
 

@@ -15,7 +15,8 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import CommandError, MissingDependencyError
+from ...core.errors import CommandError, MissingDependencyError
+from ...viz import diagonal_summary, load_loss_curves, plot_diagonal, plot_kha, plot_loss_curves
 from ..models import MODEL_HELP, load_with_kha
 from ..ui import UI
 
@@ -83,13 +84,6 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile viz``."""
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingDependencyError("viz needs matplotlib: pip install 'kha-compile[viz]'")
-    from ...viz import (
-        diagonal_summary,
-        load_loss_curves,
-        plot_diagonal,
-        plot_kha,
-        plot_loss_curves,
-    )
 
     curves = None
     if args.curves:

@@ -1,0 +1,251 @@
+"""Find every per-head attention in an exported graph and the projections that feed q, k and v.
+
+Rules, each with a reason when it declines:
+
+* attention rules (:mod:`.rules`: ``sdpa``, ``manual_softmax``, ...) anchor on attention ops and
+  name the nodes that carry q, k and v (:class:`.rules.Anchor`);
+* for each of q, k, v the walk goes back to the projection that produced it (a linear, addmm or
+  matmul against a parameter, :mod:`.graph`), through layout ops and through whatever the
+  insertion point must precede (rotary embeddings, QK-norm, scaling, repeat_kv); :mod:`.layout`
+  reads the head map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import os
+from typing import cast
+
+import torch
+from torch.fx import Node
+
+from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
+from .layout import IDENTITY_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
+from .rules import Anchor, attention_rules
+
+__all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_DEBUG = os.environ.get("KHA_MATCH_DEBUG")  # a node name: explain every decision that touches it
+
+
+@dataclasses.dataclass
+class RoleMatch:
+    role: str
+    projection: Projection
+    head_map: HeadMap  # in the projection's output feature space
+    shared_piece: bool  # the head vector also takes features shared by all heads (MLA decoupled RoPE)
+    rope: bool
+    qk_norm: bool
+
+
+@dataclasses.dataclass
+class RawSite:
+    name: str  # traced module path of the attention
+    anchor: str  # the rule's name: "sdpa" | "manual_softmax" | ...
+    node: Node
+    roles: dict[str, RoleMatch]
+    reason: str = ""  # why it was skipped, when roles is incomplete
+    mla: bool = False
+    cross: bool = False
+
+
+def _trig_near(node: Node, depth: int = 8) -> bool:
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n.op == "call_function" and n.target in TRIG_OPS:
+                return True
+            for inp in n.all_input_nodes:
+                if inp not in seen:
+                    seen.add(inp)
+                    nxt.append(inp)
+        frontier = nxt
+    return False
+
+
+def _role_match(
+    g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection
+) -> tuple[RoleMatch | None, str]:
+    """Push the projection's feature index to ``target`` and read the head map at the head split."""
+    path = g.path_nodes(proj.node, target)
+    if not path:
+        return None, f"{role}: no path from {proj.node.name} to {target.name}"
+    chain = g.articulation(path)
+    shape = shape_of(proj.node)
+    if shape is None:
+        return None, f"{role}: {proj.node.name} has a symbolic shape"
+    idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
+    # expected head dim at each chain node: the anchor's, or a piece of it before a last-axis cat
+    expect = [expect_dim] * len(chain)
+    shared = False
+    for i in range(len(chain) - 2, -1, -1):
+        nxt, cur = chain[i + 1], chain[i]
+        cur_shape, nxt_shape = shape_of(cur), shape_of(nxt)
+        if cur in g.writes.get(nxt, ()) and cur_shape and nxt_shape and cur_shape[-1] < nxt_shape[-1]:
+            expect[i] = cur_shape[-1]  # written into a last-axis slice of a buffer
+            shared = True
+        elif (
+            nxt.target is aten.cat.default
+            and cur in cast(list, nxt.args[0])
+            and cur_shape
+            and nxt_shape
+            and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1)
+            and cur_shape[-1] != nxt_shape[-1]
+        ):
+            expect[i] = cur_shape[-1]
+            shared = True
+        else:
+            expect[i] = expect[i + 1]
+    found: HeadMap | None = None
+    stop = ""
+    path_set = set(path)
+    for i, node in enumerate(chain):
+        if i > 0:
+            prev = chain[i - 1]
+            if isinstance(idx, tuple):  # a tuple op (split, unbind) whose one used element is not on the chain
+                gets = [u for u in prev.users if u.target is operator.getitem and u in path_set]
+                if len(gets) == 1 and isinstance(gets[0].args[1], int):
+                    idx, prev = idx[gets[0].args[1]], gets[0]
+            direct = bool(node.args) and node.args[0] is prev and node.target not in ALLOC_OPS
+            try:
+                if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
+                    idx = push_layout(idx, node, prev, g.constants)
+                elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
+                    pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
+                elif isinstance(idx, tuple) and node.target is not None:
+                    raise NotLayout(f"tuple consumed by {node.target}")
+                else:
+                    raise NotLayout(f"{node.name} ({node.target}) changes the shape")
+            except (NotLayout, RuntimeError, IndexError, TypeError) as exc:
+                if node.target in LAYOUT_OPS or node.target is aten.index.Tensor:
+                    # a layout op we could not evaluate: the head map after it is unknown
+                    return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
+                stop = f"stopped at {node.name}: {exc}"
+                break
+        if isinstance(idx, torch.Tensor) and idx.shape[-1] == expect[i]:
+            hm = read_head_map(idx)
+            if hm is not None:
+                found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
+    if found is None:
+        return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (
+            f" ({stop})" if stop else ""
+        )
+    rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) or any(
+        n.target is aten.view_as_complex.default for n in path
+    )
+    qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
+    return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
+
+
+def _strip_identity(node: Node) -> Node:
+    while node.op == "call_function" and node.target in IDENTITY_OPS and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
+    """True when the projection reads a low-rank latent: another projection of the same attention
+    module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
+    frontier = [proj.input_node]
+    seen = set()
+    for _ in range(depth):
+        nxt: list[Node] = []
+        for n in frontier:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            other = g.as_projection(n)
+            if other is not None:
+                return bool(scope) and other.module_path.startswith(scope + ".")
+            if (
+                n.target in (aten.add.Tensor, aten.sub.Tensor)
+                and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2
+            ):
+                continue  # a residual add: the input is the model's hidden stream, not a latent
+            if n.target is aten.embedding.default:
+                continue
+            nxt.extend(i for i in n.all_input_nodes if i.op != "placeholder")
+        frontier = nxt
+    return False
+
+
+def _anchors(g: MatchGraph) -> list[Anchor]:
+    """The anchor of each attention op: the first registered rule that recognises it."""
+    rules = attention_rules()
+    out = []
+    for node in g.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for rule in rules:
+            anchor = rule.match(g, node)
+            if anchor is not None:
+                out.append(anchor)
+                break
+    return out
+
+
+def find_sites(exported) -> list[RawSite]:
+    """Every attention site in the graph, matched or with the reason it was skipped."""
+    g = MatchGraph(exported)
+    sites = []
+    for anchor in _anchors(g):
+        node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason
+        name = module_path_of(node) or node.name
+        key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
+        if "@" in key:  # a module called more than once (shared layers): one site per call
+            name += "@" + key.rpartition("@")[2]
+        site = RawSite(name, rule, node, {}, reason)
+        if reason:
+            sites.append(site)
+            continue
+        problems = []
+        for role, target in roles.items():
+            projs, why = g.find_projections(target)
+            if not projs:
+                problems.append(
+                    f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else "")
+                )
+                continue
+            matches: list[RoleMatch] = []
+            whys: list[str] = []
+            for proj in projs:
+                m, w = _role_match(g, role, target, dims[role], proj)
+                if m is not None:
+                    matches.append(m)
+                else:
+                    whys.append(w)
+            if not matches:
+                problems.append("; ".join(whys))
+                continue
+            per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
+            if len(per_head) > 1:
+                names = ", ".join(m.projection.module_path for m in per_head)
+                problems.append(f"{role}: the head vector comes from several per-head projections ({names})")
+                continue
+            chosen = per_head[0]
+            if len(matches) > 1:
+                chosen = dataclasses.replace(chosen, shared_piece=True)
+            site.roles[role] = chosen
+        if problems:
+            site.reason = "; ".join(problems)
+        if set(site.roles) == {"q", "k", "v"}:
+            q, k, v = (site.roles[r] for r in "qkv")
+            site.mla = (
+                k.shared_piece
+                or v.shared_piece
+                or _latent_input(g, k.projection, name)
+                or _latent_input(g, v.projection, name)
+            )
+            site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(
+                k.projection.input_node
+            )
+        if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
+            log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
+        sites.append(site)
+    return sites

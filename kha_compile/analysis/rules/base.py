@@ -1,0 +1,56 @@
+"""The attention-rule interface: an :class:`Anchor` per attention op a rule recognises.
+
+A rule looks at one graph node. ``None``: not this rule's op. An :class:`Anchor` with roles: the
+op is attention, and for each of q, k, v the node whose last axis is that role's head vector
+(the walk back to the projections starts there). An :class:`Anchor` with empty roles and a
+``reason``: it looks like attention but the rule declines, and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
+
+from torch.fx import Node
+
+if TYPE_CHECKING:
+    from ..graph import MatchGraph
+
+__all__ = ["Anchor", "AttentionRule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+    """One attention op found by a rule.
+
+    Example::
+
+        Anchor(node, "sdpa", {"q": q, "k": k, "v": v}, {"q": 64, "k": 64, "v": 64})
+        Anchor(softmax, "manual_softmax", {}, {}, reason="no value matmul after the softmax")
+    """
+
+    node: Node  # the attention op node
+    rule: str  # rule name, e.g. "sdpa", "manual_softmax"
+    roles: dict[str, Node]  # "q"/"k"/"v" -> node whose LAST axis is that role's head vector (empty if declined)
+    head_dims: dict[str, int]  # role -> expected head dim at the anchor
+    reason: str = ""  # non-empty: looks like attention, declined, with why
+
+
+class AttentionRule(Protocol):
+    """A named matcher of one attention form; register it with ``register_rule``.
+
+    Example::
+
+        class MyRule:
+            name = "my_attention"
+            def match(self, g, node):
+                if node.target is not torch.ops.my.attention.default:
+                    return None
+                q, k, v = node.args[:3]
+                return Anchor(node, self.name, {"q": q, "k": k, "v": v}, {r: shape_of(n)[-1] for ...})
+        register_rule(MyRule())
+    """
+
+    name: str
+
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None: ...

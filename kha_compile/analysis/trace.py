@@ -1,0 +1,277 @@
+"""Capture a model's graph with torch.export (non-strict, fake tensors), once per distinct block.
+
+Repeated blocks (the 80 decoder layers of a 70B model) are instances of one class with one
+configuration. Before exporting, every ``nn.ModuleList`` of such blocks is cut down to one
+representative per distinct block signature, so the trace costs O(distinct block types), not
+O(depth). :class:`Capture` maps what is found in a representative back to all its copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import TraceError
+
+__all__ = ["Capture", "block_signature", "capture"]
+
+log = logging.getLogger(__name__)
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def _simple_attrs(module: nn.Module) -> dict[str, object]:
+    items: dict[str, object] = {}
+    for key, value in vars(module).items():
+        if key.startswith("_") or key == "training":
+            continue
+        if isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)):
+            items[key] = value
+    return items
+
+
+def block_signature(module: nn.Module, ignore: frozenset = frozenset()) -> tuple:
+    """What must agree for two blocks to share one trace: classes, tensor shapes, plain attributes.
+
+    ``ignore`` holds (submodule path, attribute) pairs left out, such as a layer index.
+    """
+    if module is None:  # a ModuleList may hold None placeholders
+        return (("", "None", ()),)
+    parts: list[tuple[object, ...]] = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in _simple_attrs(sub).items() if (name, k) not in ignore))
+        parts.append((name, type(sub).__qualname__, attrs))
+        for pname, p in sub.named_parameters(recurse=False):
+            parts.append((name, pname, tuple(p.shape), p.dtype, p.requires_grad))
+        for bname, b in sub.named_buffers(recurse=False):
+            parts.append((name, bname, tuple(b.shape), b.dtype))
+    return tuple(parts)
+
+
+def _index_attrs(blocks: nn.ModuleList) -> frozenset:
+    """Attributes that hold the block's own position in every block (layer_idx, layer_id, ...)."""
+    found = None
+    for i, block in enumerate(blocks):
+        if block is None:
+            continue
+        here = {
+            (name, k)
+            for name, sub in block.named_modules()
+            for k, v in _simple_attrs(sub).items()
+            if type(v) is int and v == i
+        }
+        found = here if found is None else found & here
+    return frozenset(found or ())
+
+
+@dataclasses.dataclass
+class Capture:
+    """An exported graph plus the map from traced module paths to the model's real ones."""
+
+    exported: Any  # torch.export.ExportedProgram
+    # traced list path (e.g. "model.layers") -> for each traced position, the original indices it stands for
+    groups: dict[str, list[list[int]]]
+    seconds: float
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph
+
+    def expand_path(self, path: str) -> list[str]:
+        """All module paths in the real model that a traced module path stands for."""
+        for list_path, positions in self.groups.items():
+            prefix = list_path + "."
+            if path.startswith(prefix):
+                rest = path[len(prefix) :]
+                idx, _, tail = rest.partition(".")
+                if idx.isdigit() and int(idx) < len(positions):
+                    return [f"{prefix}{orig}{'.' + tail if tail else ''}" for orig in positions[int(idx)]]
+        return [path]
+
+    def group_of(self, path: str) -> tuple[str, int] | None:
+        """(list path, traced position) of the repeated block a traced path sits in, if any."""
+        for list_path in self.groups:
+            prefix = list_path + "."
+            if path.startswith(prefix):
+                idx = path[len(prefix) :].partition(".")[0]
+                if idx.isdigit():
+                    return list_path, int(idx)
+        return None
+
+
+@contextlib.contextmanager
+def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list[list[int]]]]:
+    """Temporarily cut every ModuleList of repeated blocks down to one block per signature."""
+    groups: dict[str, list[list[int]]] = {}
+    swaps: list[tuple[nn.Module, str, nn.Module, str]] = []
+    if enabled:
+        for path, module in list(model.named_modules()):
+            if not isinstance(module, nn.ModuleList) or len(module) < 2:
+                continue
+            reps: dict[tuple, int] = {}
+            positions: list[list[int]] = []
+            keep: list[nn.Module] = []
+            ignore = _index_attrs(module)
+            for i, block in enumerate(module):
+                sig = block_signature(block, ignore)
+                if sig in reps:
+                    positions[reps[sig]].append(i)
+                else:
+                    reps[sig] = len(keep)
+                    keep.append(block)
+                    positions.append([i])
+            if len(keep) == len(module):
+                continue
+            # Keep the list's place in the model; the representatives keep their relative order.
+            parent_path, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            swaps.append((parent, attr, module, path))
+            groups[path] = positions
+    try:
+        for parent, attr, module, path in swaps:
+            parent._modules[attr] = nn.ModuleList([module[p[0]] for p in groups[path]])  # type: ignore[index]
+        yield groups
+    finally:
+        for parent, attr, module, _ in swaps:
+            parent._modules[attr] = module
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool = True) -> Capture:
+    """Export ``model`` on fake tensors (no real compute) with one representative per block type.
+
+    Example::
+
+        cap = capture(model, (), {"input_ids": ids, "use_cache": False})
+        cap.graph  # torch.fx.Graph of aten ops
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    try:
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs):
+            try:
+                with _representatives(model, dedupe_blocks) as groups:
+                    ep = _export_grad_or_not(model, t_args, t_kwargs)
+            except TraceError:
+                if not (dedupe_blocks and groups):
+                    raise
+                # the model's code depends on its depth in a way the cut-down copy breaks: trace it whole
+                log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
+                groups = {}
+                ep = _export_grad_or_not(model, t_args, t_kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
+    return Capture(ep, groups, seconds)
+
+
+_NO_BACKWARD = ("does not support backward",)  # e.g. "FlexAttention does not support backward on CPU"
+_REFUSES_GRAD: set[tuple[type, str]] = set()  # (model class, attention implementation) seen refusing grad
+
+
+def _export_grad_or_not(model: nn.Module, args: tuple, kwargs: dict):
+    """Export with grad on; where an op refuses grad (flex_attention on CPU), export without it.
+
+    Grad on keeps nn.TransformerEncoderLayer / nn.MultiheadAttention off their fused inference
+    fast paths, so the per-head structure stays visible in the graph. The analysis never runs a
+    backward, so a model whose forward refuses grad on this platform is traced under no_grad.
+    """
+    key = (type(model), str(getattr(getattr(model, "config", None), "_attn_implementation", "")))
+    if key not in _REFUSES_GRAD:
+        with torch.enable_grad():
+            try:
+                return _export(model, args, kwargs)
+            except TraceError as exc:
+                if not any(text in _causes(exc) for text in _NO_BACKWARD):
+                    raise
+        _REFUSES_GRAD.add(key)  # the next model of this kind goes straight to no_grad
+    log.info("%s refuses grad on this platform; tracing it under no_grad", type(model).__name__)
+    with torch.no_grad():
+        return _export(model, args, kwargs)
+
+
+def _causes(exc: BaseException) -> str:
+    texts = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        texts.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(texts)
+
+
+_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _exportable(value: object) -> bool:
+    """Whether torch.export can take ``value`` as an input: a pytree of tensors and plain values."""
+    from torch.utils import _pytree
+
+    try:
+        leaves = _pytree.tree_leaves(value)
+    except Exception:  # a pytree node that cannot be flattened
+        return False
+    return all(isinstance(leaf, _LEAF_TYPES) for leaf in leaves)
+
+
+@contextlib.contextmanager
+def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """Close over the inputs torch.export cannot take (a BlockMask, a dataclass, any object).
+
+    For the analysis those inputs are constants: the model's ``forward`` is wrapped for the
+    duration of the trace, so parameter and module paths stay the model's own. Yields the inputs
+    left to pass to the export.
+    """
+    fixed_args = {i: a for i, a in enumerate(args) if not _exportable(a)}
+    fixed_kwargs = {k: v for k, v in kwargs.items() if not _exportable(v)}
+    if not fixed_args and not fixed_kwargs:
+        yield args, kwargs
+        return
+    log.info(
+        "binding %s as constants for the trace of %s (torch.export cannot take them as inputs)",
+        [type(v).__name__ for v in (*fixed_args.values(), *fixed_kwargs.values())],
+        type(model).__name__,
+    )
+    forward = model.forward
+    had_own = "forward" in vars(model)
+    n_args = len(args)
+
+    def bound_forward(*a: Any, **kw: Any) -> Any:
+        it = iter(a)
+        full = [fixed_args[i] if i in fixed_args else next(it) for i in range(n_args)]
+        full.extend(it)
+        return forward(*full, **kw, **fixed_kwargs)
+
+    model.forward = bound_forward
+    try:
+        yield (
+            tuple(a for i, a in enumerate(args) if i not in fixed_args),
+            {k: v for k, v in kwargs.items() if k not in fixed_kwargs},
+        )
+    finally:
+        if had_own:
+            model.forward = forward
+        else:
+            del model.forward
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict):
+    try:
+        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    except Exception as exc:  # torch.export raises many types; keep its reason
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+            "Check that the example inputs run the model's forward (model(*example_args, "
+            "**example_kwargs)), and for transformers models pass use_cache=False."
+        ) from exc

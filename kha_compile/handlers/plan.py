@@ -1,0 +1,182 @@
+"""Turn matched sites into report entries and an insertion plan.
+
+A plan entry says: this module (a projection such as ``nn.Linear`` or ``Conv1D``, or an
+``nn.MultiheadAttention`` whose projections are parameters) gets these transforms on these
+head slots. The projection handler (first that accepts wins) is chosen by what owns the
+projection weight; :func:`kha_compile.handlers.insert.insert` has it attach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import cast
+
+from torch import nn
+
+from ..analysis.layout import slot_from_map
+from ..analysis.match import RawSite, RoleMatch
+from ..analysis.trace import Capture
+from ..core.kinds import Role, SiteKind
+from ..core.report import AttentionSite
+from ..model.carrier import transforms_of
+from ..model.config import KHAConfig
+from ..model.slots import HeadSlot
+from ..model.transforms import get_transform, kind_of
+from . import PlanEntry, ProjectionHandler, choose_handler
+
+__all__ = ["MLA_NOTE", "PlanEntry", "build_sites", "current_transforms"]
+
+log = logging.getLogger(__name__)
+
+MLA_NOTE = (
+    "MLA: linear KHA only (MLP-value would break weight absorption, as in the paper); T^Q acts on the "
+    "whole query head (no-RoPE and RoPE parts, folded into the query projection), T^K on the per-head "
+    "no-RoPE key part only (folded into kv_b_proj): the decoupled RoPE key is one piece shared by all "
+    "heads, and mixing it per head would make it per-head and break the shared cache"
+)
+
+
+def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
+    hm = m.head_map
+    if param_space:  # features of the weight's output axis (e.g. rows of in_proj_weight)
+        hm = dataclasses.replace(hm, index=m.projection.feature_map[hm.index])
+    affine = slot_from_map(hm)
+    if affine is None:
+        return None
+    offset, stride = affine
+    return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
+
+
+def build_sites(
+    model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: KHAConfig | None
+) -> tuple[list[AttentionSite], list[PlanEntry]]:
+    """Report entries for every site (expanded to every repeated block) and the insertion plan."""
+    sites: list[AttentionSite] = []
+    plan: dict[str, PlanEntry] = {}
+    for raw in raw_sites:
+        copies = _copies(raw, cap)
+        if raw.reason or set(raw.roles) != {"q", "k", "v"}:
+            for name, _ in copies:
+                sites.append(AttentionSite(name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor))
+            continue
+        q, k, v = (raw.roles[r] for r in "qkv")
+        kind: SiteKind = (
+            "mla"
+            if raw.mla
+            else "cross"
+            if raw.cross
+            else (
+                "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
+            )
+        )
+        handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
+        bad = [why for h, why in handlers.values() if h is None]
+        kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
+        note = MLA_NOTE if kind == "mla" else ""
+        if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
+            kinds = {r: _foldable(k) for r, k in kinds.items()}
+        slots: dict[str, HeadSlot] = {}
+        for r in kinds:
+            handler = handlers[r][0]
+            if handler is not None and handler.plans_roles:
+                continue  # positions live in the handler's own plan (plan_role below)
+            s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
+            if s is None:
+                bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
+            else:
+                slots[r] = s
+        for name, rename in copies:
+            if bad:
+                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor))
+                continue
+            paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
+            site = AttentionSite(
+                name,
+                "matched",
+                kind=kind,
+                num_heads=q.head_map.num_heads,
+                num_kv_heads=k.head_map.num_heads,
+                head_dim=q.head_map.head_dim,
+                v_head_dim=v.head_map.head_dim,
+                q_proj=paths["q"],
+                k_proj=paths["k"],
+                v_proj=paths["v"],
+                rope=q.rope or k.rope,
+                qk_norm=q.qk_norm or k.qk_norm,
+                anchor=raw.anchor,
+                note=note,
+            )
+            current_transforms(model, site, paths)
+            notes = [
+                h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
+                for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
+            ]
+            site.note = "; ".join(x for x in (site.note, *notes) if x)
+            sites.append(site)
+            for r, tk in kinds.items():
+                path = paths[r]
+                entry = plan.setdefault(
+                    path,
+                    PlanEntry(
+                        path,
+                        _name(handlers[r][0]),
+                        [],
+                        {},
+                        int(raw.roles[r].projection.feature_map.numel()),
+                        cfg.strategy if cfg is not None else "auto",
+                    ),
+                )
+                handler = handlers[r][0]
+                if handler is not None and handler.plans_roles:
+                    handler.plan_role(entry, r, raw.roles[r], tk)
+                    continue
+                if any(s.role == r for s in entry.slots):
+                    continue
+                entry.slots.append(slots[r])
+                entry.kinds[r] = tk
+    return sites, list(plan.values())
+
+
+def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]]:
+    """(real site name, path renamer) for every repeated block a traced site stands for."""
+    group = cap.group_of(raw.name)
+    if group is None:
+        return [(raw.name, lambda p: p)]
+    list_path, pos = group
+    traced_prefix = f"{list_path}.{pos}."
+    out: list[tuple[str, Callable[[str], str]]] = []
+    for orig in cap.groups[list_path][pos]:
+        real_prefix = f"{list_path}.{orig}."
+
+        def rename(p: str, a: str = traced_prefix, b: str = real_prefix) -> str:
+            return b + p[len(a) :] if p.startswith(a) else p
+
+        out.append((rename(raw.name + ".")[:-1], rename))
+    return out
+
+
+def _name(handler: ProjectionHandler | None) -> str:
+    if handler is None:  # pragma: no cover - build_sites never plans a role without a handler
+        raise AssertionError("planned a role without a projection handler")
+    return handler.name
+
+
+def current_transforms(model: nn.Module, site: AttentionSite, paths: dict[str, str]) -> None:
+    """Fill ``site.transforms`` with what the model carries now (after apply)."""
+    for r in "qkv":
+        if r not in paths:
+            continue
+        try:
+            mod = model.get_submodule(paths[r])
+        except AttributeError:
+            continue
+        kha = transforms_of(mod)
+        if r in kha:
+            site.transforms[r] = kind_of(kha[r]).name
+
+
+def _foldable(kind: str) -> str:
+    spec = get_transform(kind)
+    return kind if spec.foldable or spec.fold_substitute is None else spec.fold_substitute

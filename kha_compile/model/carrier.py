@@ -1,0 +1,297 @@
+"""The modules KHA inserts: the shared transforms and the projection that carries them.
+
+A projection keeps its own object, parameters and ``state_dict`` keys. :func:`attach` turns it
+into a KHA projection by switching its class to a subclass made here (``KHALinear`` for
+``nn.Linear``, ``KHAConv1D`` for transformers' ``Conv1D``, ...) and adding a ``kha`` child that
+holds one transform per role. :func:`detach` switches the class back, so the original module
+object, class and keys return (that is how :func:`kha_compile.fold` restores a vanilla model).
+
+A carrier holds everything it needs to run: its head slots, the orientation of its weight and
+its execution strategy. It folds its own linear transforms into its weight
+(:meth:`KHAProjection.kha_fold`), on the fly (weight-side execution, differentiable) and for
+``kc.fold`` (detached), with the one fold primitive :func:`~kha_compile.model.rows.fold_rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ..core.errors import FoldError
+from ..core.mixins import mixin_class, module_class_named
+from .rows import base_class, fold_rows, weight_out_axis
+from .slots import HeadSlot, layout_plan, transform_slices
+from .strategy import check_strategy, swapped_params, use_weight_side
+from .transforms import get_transform, kind_of
+
+__all__ = [
+    "HANDLER_ATTR",
+    "KHAProjection",
+    "KHATransforms",
+    "attach",
+    "carries_kha",
+    "detach",
+    "handler_name",
+    "is_kha_projection",
+    "kha_class_for",
+    "kha_modules",
+    "make_transform",
+    "set_handler",
+    "set_strategy",
+    "transforms_of",
+]
+
+HANDLER_ATTR = "_kha_handler"  # instance attribute of a module with KHA: the name of its projection handler
+
+
+class KHATransforms(nn.ModuleDict):
+    """The ``kha`` child of a KHA carrier: one shared transform per role ("q", "k", "v")."""
+
+
+def make_transform(
+    kind: str, head_dim: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> nn.Module:
+    """Build the transform of registered ``kind`` ("linear" | "mlp" | ...) at identity, in the given dtype and device."""
+    return get_transform(kind).create(head_dim, dtype=dtype, device=device)
+
+
+def make_transforms(
+    slots: Sequence[HeadSlot], kinds: dict[str, str], ref: Tensor | None
+) -> tuple[KHATransforms, tuple[HeadSlot, ...]]:
+    """One transform per role of ``kinds`` (dtype and device of ``ref``) and the slots they act on."""
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
+    device = ref.device if ref is not None else None
+    transforms = KHATransforms()
+    for s in slots:
+        if s.role in kinds and s.role not in transforms:
+            transforms[s.role] = make_transform(kinds[s.role], s.head_dim, dtype=dtype, device=device)
+    return transforms, tuple(s for s in slots if s.role in transforms)
+
+
+class KHAProjection(nn.Module):
+    """Mixin for a projection module that applies shared KHA transforms to its head slices.
+
+    Not instantiated directly: :func:`attach` gives an existing projection a subclass of this
+    mixin and its own class, so it keeps its parameters and ``state_dict`` keys. Its state (plain
+    attributes, not parameters or modules): ``_kha_slots`` (head slots of every role it carries),
+    ``_kha_out_features``, ``_kha_weight_axis`` (0: ``y = x W^T``, 1: ``y = x W``, None: unknown,
+    so no weight-side execution), ``kha_strategy`` and the handler's name.
+    """
+
+    _kha_base_class: ClassVar[type[nn.Module]]
+    kha: KHATransforms
+    _kha_slots: tuple[HeadSlot, ...]
+    _kha_out_features: int
+    _kha_weight_axis: int | None = None
+    kha_strategy: str = "auto"  # linear KHA execution: "auto" | "weight" | "token" (kha_compile.model.strategy)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        folded = self._kha_weight_side_roles(args, kwargs)
+        if not folded:  # token-side: transform the projection output
+            return self.kha_transform(super().forward(*args, **kwargs))
+        with swapped_params(self, self.kha_fold(folded, detach=False)):
+            y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
+        return self.kha_transform(y, skip=folded)
+
+    def _kha_sources(self, roles: Sequence[str]) -> list[Tensor]:
+        """The tensors a fold of ``roles`` reads: weight, bias, and each role's transform parameters."""
+        out: list[Tensor] = [t for t in (self._parameters.get("weight"), self._parameters.get("bias")) if t is not None]
+        for r in roles:
+            out.extend(kind_of(self.kha[r]).params(self.kha[r]))
+        return out
+
+    def _kha_weight_side_roles(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """The foldable roles this call runs weight-side (empty: all token-side), per ``kha_strategy``."""
+        roles = tuple(r for r in self.kha if kind_of(self.kha[r]).foldable)
+        w = self._parameters.get("weight")
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if (
+            not roles
+            or self._kha_weight_axis is None
+            or not isinstance(w, Tensor)
+            or w.dim() != 2
+            or not isinstance(x, Tensor)
+            or x.dim() == 0
+        ):
+            return ()
+        tokens = x.numel() // max(x.shape[-1], 1)
+        return roles if use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, x.shape[-1]) else ()
+
+    def kha_fold(self, roles: Sequence[str], *, detach: bool = True) -> list[tuple[str, Tensor]]:
+        """(name, tensor) of weight and bias with the linear transforms of ``roles`` folded in.
+
+        ``detach=False`` keeps autograd (weight-side execution: W, b and T get exact gradients);
+        ``detach=True`` is what ``kc.fold`` writes. Computes only; nothing is written.
+        """
+        slots = [s for s in self._kha_slots if s.role in roles and s.role in self.kha]
+        if not slots:
+            return []
+        axis = self._kha_weight_axis
+        if axis is None:
+            raise FoldError(
+                f"cannot fold into {base_class(self).__name__}: the orientation of its weight "
+                "(y = x W^T or y = x W) could not be told from its shape or a probe of its forward. "
+                "Nothing was changed."
+            )
+        w: Tensor = self.get_parameter("weight")
+        b: Tensor | None = self._parameters.get("bias")
+        for s in slots:
+            t = self.kha[s.role]
+            w, b = fold_rows(w, b, s, kind_of(t).fold_matrix(t), axis, detach=detach)
+        return [("weight", w)] + ([("bias", b)] if b is not None else [])
+
+    def _kha_layout(self, skip: Sequence[str] = ()) -> tuple[tuple[HeadSlot, ...], str, int]:
+        """(active slots, plan, stride) of the roles not in ``skip``, computed once per set of roles."""
+        roles = tuple(r for r in self.kha if r not in skip)
+        cache = self.__dict__.get("_kha_cached_layout")
+        if not isinstance(cache, dict):  # none yet (or a pickle from before strategies)
+            cache = self.__dict__["_kha_cached_layout"] = {}
+        cached = cache.get(roles)
+        if cached is None:
+            slots = tuple(s for s in self._kha_slots if s.role in roles)
+            plan = layout_plan(slots, self._kha_out_features) if slots else ("none", 0)
+            cached = cache[roles] = (slots, *plan)
+        return cached
+
+    def kha_transform(self, y: Tensor, skip: Sequence[str] = ()) -> Tensor:
+        """Apply each role's transform (except those in ``skip``) to its head slices of ``y`` (..., out)."""
+        slots, mode, stride = self._kha_layout(skip)
+        return transform_slices(y, slots, mode, stride, dict(self.kha.items()))
+
+    def kha_extra(self) -> str:
+        return ", ".join(
+            f"{s.role}:{type(self.kha[s.role]).__name__}[{s.num_heads}x{s.head_dim}]"
+            for s in self._kha_slots
+            if s.role in self.kha
+        )
+
+
+def kha_class_for(base_cls: type, mixin: type = KHAProjection) -> type:
+    """The KHA subclass of a projection class (created once, named ``KHA<Base>``)."""
+    if issubclass(base_cls, mixin):
+        return base_cls
+    prefix = getattr(mixin, "_kha_prefix", "KHA")
+    return mixin_class(mixin, base_cls, f"{prefix}{base_cls.__name__}", mixin.__module__, _kha_base_class=base_cls)
+
+
+def is_kha_projection(module: nn.Module) -> bool:
+    return isinstance(module, KHAProjection)
+
+
+def carries_kha(module: nn.Module) -> bool:
+    """True when ``module`` holds KHA transforms (a ``kha`` child), whichever handler attached them."""
+    return isinstance(module._modules.get("kha"), KHATransforms)
+
+
+def transforms_of(module: nn.Module) -> KHATransforms:
+    """The ``kha`` child of a module that carries KHA (an empty one for a module that does not)."""
+    kha = module._modules.get("kha")
+    return kha if isinstance(kha, KHATransforms) else KHATransforms()
+
+
+def kha_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module in ``model`` that currently carries KHA transforms."""
+    return [(n, m) for n, m in model.named_modules() if carries_kha(m)]
+
+
+def handler_name(module: nn.Module) -> str | None:
+    """The name of the projection handler that attached ``module``'s KHA (None: not recorded)."""
+    name = module.__dict__.get(HANDLER_ATTR)
+    return name if isinstance(name, str) else None
+
+
+def set_handler(module: nn.Module, name: str | None) -> None:
+    """Record (or, with None, forget) which projection handler owns ``module``'s KHA."""
+    if name is None:
+        module.__dict__.pop(HANDLER_ATTR, None)
+    else:
+        module.__dict__[HANDLER_ATTR] = name
+
+
+def attach(
+    module: nn.Module,
+    slots: tuple[HeadSlot, ...],
+    kinds: dict[str, str],
+    out_features: int,
+    *,
+    handler: str | None = None,
+    strategy: str = "auto",
+    weight_axis: int | str | None = "probe",
+    mixin: type = KHAProjection,
+    transforms: KHATransforms | None = None,
+) -> nn.Module:
+    """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device.
+
+    ``weight_axis``: the axis of ``module.weight`` that indexes output features ("probe": told by
+    :func:`~kha_compile.model.rows.weight_out_axis`). ``transforms``: existing ones to carry (PEFT's
+    unload moves them between modules) instead of new ones at identity.
+
+    Example::
+
+        attach(lin, (HeadSlot("v", 0, 4, 16, 16),), {"v": "mlp"}, 64, handler="linear")
+    """
+    if transforms is None:
+        ref = next(iter(module.parameters(recurse=False)), None)
+        transforms, active = make_transforms(slots, kinds, ref)
+    else:
+        active = tuple(s for s in slots if s.role in transforms)
+    layout_plan(active, out_features)  # refuse odd layouts up front
+    if weight_axis == "probe":
+        weight_axis = weight_out_axis(module, out_features)
+    module.__class__ = kha_class_for(type(module), mixin)
+    module.kha = transforms
+    d = module.__dict__  # plain attributes (not parameters or modules)
+    d["_kha_slots"] = tuple(slots)
+    d["_kha_out_features"] = out_features
+    d["_kha_weight_axis"] = weight_axis
+    d.pop("_kha_cached_layout", None)
+    set_handler(module, handler)
+    if strategy != "auto":
+        set_strategy(module, strategy)
+    return module
+
+
+_STATE = ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "kha_strategy", "_kha_weight_axis")
+
+
+def detach(module: nn.Module) -> nn.Module:
+    """Undo :func:`attach`: the module gets back its original class; its ``kha`` child is removed."""
+    if not isinstance(module, KHAProjection):
+        return module
+    del module.kha
+    for attr in _STATE:
+        module.__dict__.pop(attr, None)
+    set_handler(module, None)
+    module.__class__ = type(module)._kha_base_class  # type: ignore[assignment]  # back to the original class
+    return module
+
+
+def carrier_state(module: KHAProjection) -> tuple[KHATransforms, tuple[HeadSlot, ...], int, int | None]:
+    """(transforms, slots, out features, weight axis) of a carrier: what moving its KHA needs."""
+    return module.kha, module._kha_slots, module._kha_out_features, module._kha_weight_axis
+
+
+def set_strategy(module: nn.Module, strategy: str) -> None:
+    """Set how a KHA module runs linear KHA: "auto" | "weight" | "token" (its ``kha_strategy``).
+
+    Example::
+
+        set_strategy(model.model.layers[0].self_attn.q_proj, "token")
+    """
+    check_strategy(strategy, "kha_strategy")
+    setter = getattr(type(module), "kha_set_strategy", None)
+    if setter is not None:  # a carrier with its own bookkeeping (nn.MultiheadAttention's fast path)
+        setter(module, strategy)
+    else:
+        module.__dict__["kha_strategy"] = strategy
+
+
+def __getattr__(name: str) -> type:
+    """Recreate ``KHA<Base>`` classes on demand, so a pickled model with KHA loads in a new process."""
+    base = module_class_named(name[3:], KHAProjection) if name.startswith("KHA") and len(name) > 3 else None
+    if base is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return kha_class_for(base)

@@ -1,0 +1,98 @@
+"""The fold primitive: fold a linear head transform into the rows (or columns) of a weight and bias.
+
+For head h occupying output features R_h of a projection with weight W (output axis ``axis``)
+and bias b, ``x -> x @ T`` after the projection equals the projection with
+
+    W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (KHA_SPEC.md, "Folding")
+
+computed in float32 and cast back. Nothing is written: callers commit the returned tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .slots import HeadSlot
+
+__all__ = ["base_class", "fold_rows", "weight_out_axis"]
+
+
+def fold_rows(
+    weight: Tensor, bias: Tensor | None, slot: HeadSlot, t: Tensor, axis: int, *, detach: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """New (weight, bias) with ``x -> x @ t`` folded into the head slices of ``slot``.
+
+    ``detach=False`` keeps the autograd graph (weight-side execution: gradients reach W, b and t).
+
+    Example::
+
+        w2, b2 = fold_rows(lin.weight, lin.bias, HeadSlot("v", 0, 4, 16, 16), T, axis=0)
+    """
+    idx = slot.index().flatten().to(weight.device)  # (H*Dh,)
+    keep = (lambda x: x.detach()) if detach else (lambda x: x)
+    t32 = keep(t).to(torch.float32)
+    w = keep(weight).to(torch.float32)
+    whole = slot.offset == 0 and slot.head_stride == slot.head_dim and slot.span == w.shape[axis]
+    w_role = w if whole else w.index_select(axis, idx)  # a separate projection: every row is a head row
+    if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
+        w_new = torch.einsum("jk,hji->hki", t32, w_role.reshape(slot.num_heads, slot.head_dim, -1))
+        w_new = w_new.reshape(-1, w.shape[1])
+        w = w_new.contiguous() if whole else w.index_copy(0, idx, w_new)
+    else:  # (in, H*Dh) -> (in, H, Dh) @ T
+        w_new = (w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32).reshape(w.shape[0], -1)
+        w = w_new.contiguous() if whole else w.index_copy(1, idx, w_new)
+    b = None
+    if bias is not None:
+        b32 = keep(bias).to(torch.float32)
+        b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim) @ t32
+        b = b32.index_copy(0, idx, b_new.reshape(-1)).to(bias.dtype)
+    return w.to(weight.dtype), b
+
+
+def base_class(module: nn.Module) -> type[nn.Module]:
+    """The module's class before KHA (its own class when it carries none)."""
+    cls: type[nn.Module] = getattr(type(module), "_kha_base_class", type(module))
+    return cls
+
+
+def weight_out_axis(module: nn.Module, out_features: int | None = None) -> int | None:
+    """Which axis of ``module.weight`` indexes output features: 0 (``y = x W^T``), 1 (``y = x W``), None.
+
+    Told by the weight's shape when ``out_features`` settles it, else by behaviour: one small
+    probe through the module's own forward (e.g. GPT-2's Conv1D stores (in, out)).
+
+    Example::
+
+        weight_out_axis(nn.Linear(4, 8))     # 0
+    """
+    if isinstance(module, nn.Linear):
+        return 0
+    w = getattr(module, "weight", None)
+    if not isinstance(w, Tensor) or w.dim() != 2 or not w.is_floating_point():
+        return None
+    if out_features is not None and w.shape[0] != w.shape[1] and out_features in tuple(w.shape):
+        return 0 if w.shape[0] == out_features else 1
+    if w.is_meta:
+        return None
+    b = getattr(module, "bias", None)
+    b = b.detach().float() if isinstance(b, Tensor) else 0.0
+    w32 = w.detach().float()
+    gen = torch.Generator().manual_seed(0)
+    forward = base_class(module).forward
+    tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 2e-2
+    for axis, n_in, ref_w in ((1, w.shape[0], w32), (0, w.shape[1], w32.t())):
+        x = torch.randn(2, n_in, generator=gen)
+        try:
+            with torch.no_grad():
+                y = forward(module, x.to(w.dtype).to(w.device))
+        except Exception:  # the forward does not take this input shape: not this orientation
+            continue
+        ref = x.to(w.device) @ ref_w + b
+        if (
+            isinstance(y, Tensor)
+            and y.shape == ref.shape
+            and torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
+        ):
+            return axis
+    return None

@@ -1,0 +1,1 @@
+"""Storage: the KHA checkpoint format, transformers' config and weight files, and key names."""

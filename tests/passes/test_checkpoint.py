@@ -1,0 +1,99 @@
+"""save_pretrained / read_checkpoint / load_pretrained: every way a checkpoint can misfit changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kha_compile as kc
+from helpers import perturb
+from kha_compile.core.errors import CheckpointError, NoKHATransformsError
+from kha_compile.store.format import checkpoint_misfit, read_checkpoint
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
+def _unchanged(model, snap, ids, ref):
+    state, classes = snap
+    assert [type(m) for m in model.modules()] == classes
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    model = _llama(2)
+    kc.apply(model, kc.KHAConfig(q="linear", v="mlp"))
+    perturb(model)
+    path = tmp_path_factory.mktemp("ckpt") / "kha"
+    kc.save_pretrained(model, path)
+    return path
+
+
+@pytest.mark.parametrize("layers,what", [(3, "missing from the checkpoint"), (1, "not in this model")])
+def test_load_into_a_deeper_or_shallower_model_names_the_misfit_and_changes_nothing(ckpt, layers, what):
+    model = _llama(layers)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        ref = model(ids).logits
+    snap = _snapshot(model)
+    with pytest.raises(CheckpointError, match=f"does not fit LlamaForCausalLM: {what}.*left unchanged"):
+        kc.load_pretrained(model, ckpt)
+    _unchanged(model, snap, ids, ref)
+
+
+def test_a_config_listing_other_tensors_than_the_file_is_refused(ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "kha_model.safetensors").write_bytes((ckpt / "kha_model.safetensors").read_bytes())
+    meta = json.loads((ckpt / "kha_config.json").read_text())
+    meta["tensors"].popitem()
+    (bad / "kha_config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="does not hold the tensors"):
+        read_checkpoint(bad)
+
+
+def test_a_config_of_another_version_is_refused(ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "kha_model.safetensors").write_bytes((ckpt / "kha_model.safetensors").read_bytes())
+    meta = json.loads((ckpt / "kha_config.json").read_text())
+    meta["version"] = 99
+    (bad / "kha_config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="version 99 is not supported"):
+        read_checkpoint(bad)
+
+
+def test_misfit_lists_missing_unexpected_and_wrong_shapes():
+    text = checkpoint_misfit({"a": (2, 2), "b": (2, 2)}, {"b": (3, 3), "c": (2, 2)})
+    assert text == (
+        "missing from the checkpoint: ['a']; not in this model: ['c']; shape mismatch: b (3, 3) vs model (2, 2)"
+    )
+    assert checkpoint_misfit({"a": (2, 2)}, {"a": (2, 2)}) == ""
+
+
+def test_save_without_kha_says_to_apply_first(tmp_path):
+    with pytest.raises(NoKHATransformsError, match=r"call kc.apply"):
+        kc.save_pretrained(_llama(1), tmp_path / "x")
