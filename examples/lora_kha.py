@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile.cli import tiny as _tiny
 
 model = _tiny.make("tiny-llama")  # LlamaForCausalLM, 4 query / 2 kv heads of size 16
 ids = torch.randint(0, _tiny.VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))  # (B, L)

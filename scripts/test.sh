@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks, then the test suite (pytest-xdist on 2 cores). Extra arguments go to pytest.
 #
-#   ruff check, ruff format --check and mypy run first; the first that fails stops the run with a
-#   line naming it. KHA_SKIP_CHECKS=1 skips them (pytest only).
+#   ruff check, ruff format --check, mypy and lint-imports (the layer contracts in pyproject.toml)
+#   run first; the first that fails stops the run with a line naming it. KHA_SKIP_CHECKS=1 skips
+#   them (pytest only).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$KHA_ROOT"
@@ -21,5 +22,6 @@ if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests
     check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests
     check "mypy" "$KHA_VENV/bin/mypy" kha_compile
+    check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
 fi
 exec "$KHA_VENV/bin/python" -m pytest -n 2 tests "$@"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile.cli import tiny as _tiny
 from kha_compile.viz import kha_matrices, short_labels
 
 

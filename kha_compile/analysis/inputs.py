@@ -47,7 +47,7 @@ def example_inputs(
       "pixel_values"``, e.g. ViT) gets ``pixel_values`` of shape (B, C, image_size, image_size);
     - a ``SentenceTransformer`` gets one positional features dict (``input_ids``,
       ``attention_mask``, and ``token_type_ids`` where its transformer takes them);
-    - anything else raises :class:`~kha_compile.errors.MissingExampleInputsError`.
+    - anything else raises :class:`~kha_compile.core.errors.MissingExampleInputsError`.
 
     Tensors are built on the device of the model's first parameter, the meta device included
     (``torch.export`` in non-strict mode then traces with no real compute), and are the same on

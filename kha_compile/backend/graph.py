@@ -99,7 +99,7 @@ def touches_kha(node: fx.Node) -> bool:
 def concrete(value: Any) -> Any:
     """A SymInt (dynamic shape) becomes its hint; lists and tuples are converted elementwise.
 
-    Raises :class:`~kha_compile.errors.BackendError` for a symbolic size without a hint.
+    Raises :class:`~kha_compile.core.errors.BackendError` for a symbolic size without a hint.
     """
     if isinstance(value, torch.SymInt):
         hint = value.node.hint

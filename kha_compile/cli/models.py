@@ -50,7 +50,7 @@ def require(name: str, extra: str) -> Any:
 def load_model(spec: str) -> tuple[nn.Module, str]:
     """Load MODEL as the CLI understands it; returns ``(model, display name)``.
 
-    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile.tiny`), ``minilm`` (the
+    ``spec`` is a tiny model name (random weights, see :mod:`kha_compile.cli.tiny`), ``minilm`` (the
     embedded all-MiniLM-L6-v2 as a SentenceTransformer) or a directory holding a transformers model
     (``config.json``) or a sentence-transformers model (``modules.json``).
 

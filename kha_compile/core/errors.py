@@ -60,7 +60,7 @@ class KHAConfigError(KHAError, ValueError):
 
 
 class UnknownTransformError(KHAConfigError):
-    """A transform kind name is not registered (kha_compile.transforms)."""
+    """A transform kind name is not registered (kha_compile.model.transforms)."""
 
 
 class RegistryError(KHAError, LookupError):

@@ -206,7 +206,7 @@ def export_onnx(
     Inputs keep the forward's parameter names; outputs are named after the model's own output
     fields (``logits``; ``last_hidden_state``, ``pooler_output``), a single tensor ``output`` and
     a tuple's items ``output_0..n``. ``input_names`` / ``output_names`` override them, one name
-    per graph input / output (:class:`~kha_compile.errors.ExportNamesError` otherwise, naming what
+    per graph input / output (:class:`~kha_compile.core.errors.ExportNamesError` otherwise, naming what
     the model has). ``metadata_props`` record the library version, the KHA config and the matched
     sites (:data:`METADATA_KEYS`, read back with :func:`read_kha_metadata`).
 
@@ -214,7 +214,7 @@ def export_onnx(
     stay inside the file unless they pass torch.onnx's large-model threshold (1.5 GB; a protobuf
     file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it. Returns the path.
 
-    Raises :class:`~kha_compile.errors.ExportError` naming the step that failed (export,
+    Raises :class:`~kha_compile.core.errors.ExportError` naming the step that failed (export,
     translation, function, names, save, check) with the exporter's own reason.
 
     Example::

@@ -5,7 +5,7 @@ key                         value
 ==========================  ==========================================================================
 ``kha_compile.version``     the library version that wrote the file
 ``kha_compile.kha``         ``"none"`` (the model carries no KHA) or ``"applied"``
-``kha_compile.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
+``kha_compile.model.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
 ``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
                             ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
 ``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights
@@ -34,7 +34,7 @@ def read_kha_metadata(path_or_model: Any) -> dict[str, Any]:
     Takes a path or a loaded ``onnx.ModelProto``. Returns ``{"version": str, "kha": "none" |
     "applied", "config": dict | None, "sites": list[dict] | None, "folded": bool}`` (keys without
     the ``kha_compile.`` prefix); ``{}`` for a file that carries no ``kha_compile.`` metadata.
-    Raises :class:`~kha_compile.errors.ExportError` when an entry is not valid JSON.
+    Raises :class:`~kha_compile.core.errors.ExportError` when an entry is not valid JSON.
 
     Example::
 

@@ -77,7 +77,7 @@ def profile_shapes(
     An input named in ``profile`` takes its shapes from there. Every other input keeps its fixed
     dims, and each dynamic dim takes (min, opt, max) from ``dim_ranges`` by its name (``batch``,
     ``seq``; a name ending in ``_batch`` / ``_seq`` counts as that), over
-    :data:`DEFAULT_DIM_RANGES`. Raises :class:`~kha_compile.errors.ExportError` for a dynamic dim
+    :data:`DEFAULT_DIM_RANGES`. Raises :class:`~kha_compile.core.errors.ExportError` for a dynamic dim
     without a range, or shapes that do not fit the input.
 
     Example::
@@ -159,7 +159,7 @@ def build_plan(precision: str, onnx_dtype: str | None, weak_typing_available: bo
     The ONNX types decide a strongly typed build (the only kind TensorRT 11 has): an fp16 file
     builds fp16, an fp32 file fp32 (TF32 off, so fp32 means fp32). fp16/bf16 from an fp32 file
     uses TensorRT 10's weak typing (``BuilderFlag.FP16`` / ``BF16``) where it exists; elsewhere
-    the model must be exported in that type. Raises :class:`~kha_compile.errors.ExportError`.
+    the model must be exported in that type. Raises :class:`~kha_compile.core.errors.ExportError`.
 
     Example::
 
@@ -284,8 +284,8 @@ def export_tensorrt(
     implementation where TensorRT has one (>= 10.10, and Triton installed), so the engine needs no
     Python to run; the others, and ``aot=False``, the JIT one.
     Needs ``tensorrt`` (>= 10.7) and an NVIDIA GPU, else raises
-    :class:`~kha_compile.errors.BackendUnavailableError`; a failed step (profile, parse, build,
-    save) raises :class:`~kha_compile.errors.ExportError`. Returns ``engine_path``.
+    :class:`~kha_compile.core.errors.BackendUnavailableError`; a failed step (profile, parse, build,
+    save) raises :class:`~kha_compile.core.errors.ExportError`. Returns ``engine_path``.
 
     Example::
 

@@ -113,7 +113,7 @@ def plugin_kernel(dtype: str, head_dim: int, arch: str) -> PluginKernel:
 
     Tries the shipped forward configs in order and keeps the first that builds, fits the
     architecture's shared memory and does not spill. Raises :class:`KernelCompileError` when none
-    does (or d is outside 1..128), :class:`~kha_compile.errors.BackendUnavailableError` without Triton.
+    does (or d is outside 1..128), :class:`~kha_compile.core.errors.BackendUnavailableError` without Triton.
 
     Example::
 

@@ -57,7 +57,7 @@ def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tupl
     """Output shape of ``kha::MLPValue`` from its four input shapes: that of ``v``.
 
     ``v`` is (..., d) and each weight (d, d). A dim may be ``None`` (not known at build time);
-    known dims must agree. Raises :class:`~kha_compile.errors.OpInputError` otherwise.
+    known dims must agree. Raises :class:`~kha_compile.core.errors.OpInputError` otherwise.
 
     Example::
 
@@ -84,7 +84,7 @@ def mlp_value_output_shape(input_shapes: Sequence[Sequence[int | None]]) -> tupl
 def mlp_value_output_dtype(dtypes: Sequence[str]) -> str:
     """Output type of ``kha::MLPValue`` from its four input types ("float32", "float16", "bfloat16").
 
-    All four must be the same floating type. Raises :class:`~kha_compile.errors.OpInputError`.
+    All four must be the same floating type. Raises :class:`~kha_compile.core.errors.OpInputError`.
 
     Example::
 

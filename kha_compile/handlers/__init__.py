@@ -27,7 +27,7 @@ The API (see :class:`.base.ProjectionHandler`)::
 
 Shared helpers for handler files: ``PlanEntry``, ``ModuleProjectionHandler`` (attach/detach/fold of a
 module with a 2-D weight), ``weight_out_axis``, ``owner_of`` and the fold primitive
-:func:`kha_compile.passes.rows.fold_rows`.
+:func:`kha_compile.model.rows.fold_rows`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Covers ``F.linear(x, self.qkv.weight, cat(q_bias, zeros, v_bias))`` inside an at
 or ``(heads, d_model, head_dim)`` parameter, ``tensordot``, and a module whose own forward is such
 an einsum with a head-shaped output. Which KHA each form gets:
 
-* **linear** (q, k, v): the parameters are parametrized (:mod:`kha_compile.parametrized`): the
+* **linear** (q, k, v): the parameters are parametrized (:mod:`kha_compile.model.parametrized`): the
   weight and every bias piece read through their attribute return ``P`` with ``T`` folded into
   each head slice, so the projection output of every head is ``y_h T`` exactly, and fold writes
   that same tensor back into the (N-d) parameter. Zero pieces of an assembled bias stay zero.

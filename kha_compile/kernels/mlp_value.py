@@ -82,7 +82,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.errors import BackendUnavailableError, OpInputError
+from ..core.errors import OpInputError
+from .availability import (
+    DTYPES,
+    MAX_D,
+    MAX_D_FP32,
+    interpret_mode,
+    is_triton_build_error,
+    require_backend,
+    triton_available,
+    triton_supports,
+)
 from .configs import CONFIGS, MIN_DOT, capability, config_class, configs_for, launch_supported, padded_d
 
 __all__ = [
@@ -102,93 +112,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_D = 128  # largest head size the kernels take (the accumulators must fit in registers)
-# Largest head size the op sends to the kernels in fp32: above it, three fp32 weight tiles (192 KiB at
-# D = 128) do not fit sm_80's shared memory and spill on sm_90, and cuBLAS runs the composite instead.
-MAX_D_FP32 = 64
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_INSTALL_HINT = (
-    "the fused MLP-value kernel needs Triton: `pip install triton`, and an NVIDIA GPU (CUDA tensors), "
-    "or TRITON_INTERPRET=1 in the environment before first use to run it on CPU tensors (slow, for tests)."
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# Availability
-# --------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _import_triton() -> Any:
-    """Import triton once; return the module, or None if it is not importable."""
-    try:
-        import triton
-        import triton.language
-    except Exception as e:
-        logger.debug("triton is not importable: %s", e)
-        return None
-    return triton
-
-
-def _interpret_mode() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    triton = _import_triton()
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and hasattr(knobs, "runtime"):
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def triton_available() -> bool:
-    """True if the Triton kernels can run here: triton imports and there is a CUDA GPU or TRITON_INTERPRET=1.
-
-    Example::
-
-        if triton_available():
-            y = mlp_value_triton(v, w_up, w_gate, w_down)
-    """
-    if _import_triton() is None:
-        return False
-    return _interpret_mode() or torch.cuda.is_available()
-
-
-def triton_supports(d: int, dtype: torch.dtype) -> bool:
-    """True if ``kha::mlp_value`` runs the kernels for head size ``d`` and ``dtype``.
-
-    bf16/fp16: d <= 128; fp32: d <= 64 (``MAX_D_FP32``). The kernel functions themselves take fp32 up
-    to 128 too (the interpreter tests use that).
-    """
-    return dtype in _DTYPES and 1 <= d <= (MAX_D_FP32 if dtype == torch.float32 else MAX_D)
-
-
-def is_triton_build_error(e: BaseException) -> bool:
-    """True if ``e`` is Triton failing to build a kernel (compile error, out of shared memory, ptxas)."""
-    triton = _import_triton()
-    if triton is None:
-        return False
-    kinds: list[type] = []
-    for mod, names in (
-        ("triton.compiler.errors", ("CompilationError",)),
-        ("triton.runtime.errors", ("OutOfResources", "PTXASError")),
-    ):
-        try:
-            module = __import__(mod, fromlist=list(names))
-        except ImportError:
-            continue
-        kinds += [getattr(module, n) for n in names if hasattr(module, n)]
-    return isinstance(e, tuple(kinds))
-
-
-def _require_backend(device: torch.device) -> None:
-    if _import_triton() is None:
-        raise BackendUnavailableError("Triton is not installed; " + _INSTALL_HINT)
-    if _interpret_mode():
-        return
-    if device.type != "cuda":
-        raise BackendUnavailableError(f"the tensors are on {device}, and TRITON_INTERPRET is not set; " + _INSTALL_HINT)
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("no CUDA GPU is available; " + _INSTALL_HINT)
-
 
 # --------------------------------------------------------------------------------------------------
 # Kernels (built lazily, once per interpreter/compiled mode); their autotuning configs are in configs.py
@@ -286,7 +209,7 @@ def _check(name: str, v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor, g
             "or call torch.ops.kha.mlp_value, which takes (..., d)."
         )
     d = v.shape[1]
-    if v.dtype not in _DTYPES:
+    if v.dtype not in DTYPES:
         raise OpInputError(
             f"{name}: v of shape {tuple(v.shape)} is {v.dtype}; the Triton kernel takes float32, bfloat16 "
             "or float16 (torch.ops.kha.mlp_value takes any floating dtype)."
@@ -362,14 +285,14 @@ def mlp_value_triton_forward(
         y = mlp_value_triton_forward(v, w_up, w_gate, w_down)   # (M, d)
     """
     _check("mlp_value_triton", v, w_up, w_gate, w_down)
-    _require_backend(v.device)
+    require_backend(v.device)
     M, d = v.shape
     y = torch.empty((M, d), dtype=v.dtype, device=v.device)
     if M == 0:
         return y
     v = _rows(v)
     w_up, w_gate, w_down = w_up.contiguous(), w_gate.contiguous(), w_down.contiguous()
-    interpret = _interpret_mode()
+    interpret = interpret_mode()
     D = padded_d(d)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
     args = (v, w_up, w_gate, w_down, y, M, v.stride(0), y.stride(0), _m_bucket(M))
@@ -405,7 +328,7 @@ def mlp_value_triton_backward(
         gv, gwu, gwg, gwd = mlp_value_triton_backward(grad_y, v, w_up, w_gate, w_down)
     """
     _check("mlp_value_triton_backward", v, w_up, w_gate, w_down, grad=grad_out)
-    _require_backend(v.device)
+    require_backend(v.device)
     M, d = v.shape
     D = padded_d(d)
     if M == 0:
@@ -415,7 +338,7 @@ def mlp_value_triton_backward(
     w_up, w_gate, w_down = w_up.contiguous(), w_gate.contiguous(), w_down.contiguous()
     fused = (D <= 64) if block_n is None else block_n >= D
 
-    interpret = _interpret_mode()
+    interpret = interpret_mode()
     ks = _kernels(interpret)
     cls = config_class("bwd", D, v.dtype)
     meta = dict(d=d, D=D, UPCAST=interpret and v.dtype == torch.bfloat16, PRECISION=_precision(v.dtype))
@@ -502,7 +425,7 @@ def mlp_value_triton(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) ->
         y = mlp_value_triton(v, w_up, w_gate, w_down)   # == 2 * ((v @ w_up) * sigmoid(v @ w_gate)) @ w_down
     """
     _check("mlp_value_triton", v, w_up, w_gate, w_down)
-    _require_backend(v.device)
+    require_backend(v.device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (v, w_up, w_gate, w_down)):
         return _MLPValueTriton.apply(v, w_up, w_gate, w_down)
     return mlp_value_triton_forward(v, w_up, w_gate, w_down)

@@ -30,7 +30,7 @@ class KHAConfig:
 
     ``q`` and ``k``: ``None`` or ``"linear"``; ``v``: ``None``, ``"linear"`` or ``"mlp"``.
     The default is the paper's best configuration: MLP-value KHA, no query/key transform.
-    ``strategy`` says how linear transforms run (:mod:`kha_compile.strategy`): ``"auto"`` (folded
+    ``strategy`` says how linear transforms run (:mod:`kha_compile.model.strategy`): ``"auto"`` (folded
     into the weight on the fly when a call has more tokens than the projection has inputs, or when
     no gradient is needed), ``"weight"`` (always folded on the fly) or ``"token"`` (always applied
     to the projection output). Results agree to rounding; only the cost differs.

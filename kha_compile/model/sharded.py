@@ -34,6 +34,7 @@ __all__ = [
     "local_features",
     "local_slots",
     "refuse_sharded",
+    "shard_carrier",
     "sharded_parts",
     "tp_class",
 ]
@@ -140,6 +141,17 @@ class TensorParallelKHA:
         kind = kind_of(module)
         ordered = [params[n] for n in kind.param_names]
         return lambda x: kind.functional(x, *ordered)
+
+
+def shard_carrier(module: nn.Module, layout: tuple[tuple[HeadSlot, ...], str, int], group: Any) -> None:
+    """Make a KHA projection whose weight is sharded column-wise a :class:`TensorParallelKHA`.
+
+    ``layout``: its local (slots, plan, stride); ``group``: the TP process group its transforms'
+    gradients are summed over.
+    """
+    module.__class__ = tp_class(type(module))
+    module.__dict__["_kha_tp_layout"] = layout
+    module.__dict__["_kha_tp_group"] = group
 
 
 def tp_class(cls: type) -> type:

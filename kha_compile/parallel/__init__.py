@@ -2,7 +2,7 @@
 
 Order of calls: ``kc.apply`` on the unsharded model, then ``kc.parallelize`` (TP), then
 ``fully_shard`` (FSDP2). ``kc.apply`` / ``kc.inspect`` / ``kc.fold`` on a sharded model raise
-:class:`~kha_compile.errors.ShardedModelError`.
+:class:`~kha_compile.core.errors.ShardedModelError`.
 
 Example::
 

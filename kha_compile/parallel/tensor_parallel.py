@@ -16,7 +16,7 @@ and, even if it did not, would shard the (d, d) transforms, which act on whole h
    heads.
 
 Rule for GQA/MQA: with fewer heads of a role than TP ranks a head would be split across ranks,
-and :class:`~kha_compile.errors.TensorParallelError` says so; use a TP degree that divides every role's head
+and :class:`~kha_compile.core.errors.TensorParallelError` says so; use a TP degree that divides every role's head
 count, or leave that attention's projections out of the plan (replicated, computed on every rank).
 
 Example::
@@ -41,7 +41,7 @@ from ..core.errors import ShardedModelError, TensorParallelError, UnsupportedMod
 from ..core.optional import is_dtensor
 from ..model.carrier import KHAProjection, kha_modules
 from ..model.mha import KHAMultiheadAttention
-from ..model.sharded import TensorParallelKHA, local_features, local_slots, tp_class
+from ..model.sharded import TensorParallelKHA, local_features, local_slots, shard_carrier
 from ..model.slots import HeadSlot, layout_plan
 from .sharding import register_mlp_value_sharding
 
@@ -135,9 +135,7 @@ def parallelize(model: nn.Module, device_mesh: Any, parallelize_plan: dict | Any
                         distribute_tensor(param.detach(), mesh, [Replicate()]), requires_grad=param.requires_grad
                     ),
                 )
-        m.__class__ = tp_class(type(m))
-        m.__dict__["_kha_tp_layout"] = layout
-        m.__dict__["_kha_tp_group"] = mesh.get_group()
+        shard_carrier(m, layout, mesh.get_group())
     count = sum(p is not None for p in plans.values())
     log.info("kc.parallelize: %d KHA projections sharded, %d replicated", count, len(plans) - count)
     return model

@@ -1,4 +1,4 @@
-"""Tests for kha_compile.passes.inputs.example_inputs."""
+"""Tests for kha_compile.analysis.inputs.example_inputs."""
 
 from __future__ import annotations
 
@@ -142,8 +142,8 @@ def test_plain_module_without_inputs_raises(name):
 def test_plain_module_does_not_import_transformers():
     code = (
         "import sys, torch\n"
-        "from kha_compile.passes.inputs import example_inputs\n"
-        "from kha_compile.errors import MissingExampleInputsError\n"
+        "from kha_compile.analysis.inputs import example_inputs\n"
+        "from kha_compile.core.errors import MissingExampleInputsError\n"
         "try:\n"
         "    example_inputs(torch.nn.Linear(2, 2))\n"
         "except MissingExampleInputsError:\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kha_compile.model.slots import HeadSlot
 from kha_compile.backend.projection import fold_fn
+from kha_compile.model.slots import HeadSlot
 
 
 @pytest.mark.parametrize("axis", [0, 1], ids=["linear_out_in", "conv1d_in_out"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import kha_compile as kc
-from kha_compile import _tiny
+from kha_compile.cli import tiny as _tiny
 from kha_compile.cli.demo_train import TrainSpec, docstring_pairs, set_trainable
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import types
 from typing import Any
 
 import pytest
@@ -56,9 +55,7 @@ def _fake_aot(monkeypatch, fail_on: str = "") -> list[list[str]]:
             out.append(FakeRecord("mlp_value_bwd", arch, "fp16", 128, {"BLOCK_M": 32}, True, 168, 8, 49152))
         return out
 
-    module = types.ModuleType("kha_compile.kernels.aot")
-    module.compile_variants = compile_variants  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kha_compile.kernels.aot", module)
+    monkeypatch.setattr("kha_compile.cli.commands.kernels.compile_variants", compile_variants)
     return calls
 
 
@@ -102,8 +99,8 @@ def test_bad_arch_is_a_usage_error_of_kernels(capsys, monkeypatch, value):
     assert calls == []
 
 
-def test_missing_aot_module_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "kha_compile.kernels.aot", None)  # import fails with ModuleNotFoundError
+def test_missing_triton_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import fails with ModuleNotFoundError
     code, out, err = run(capsys, "kernels", "--arch", "sm_90")
     assert code == 2
-    assert "needs kha_compile.kernels.aot" in err and "Traceback" not in err + out
+    assert "triton" in err and "pip install" in err and "Traceback" not in err + out

@@ -1,21 +1,14 @@
-"""kha_compile.tiny: seeded tiny models by name; the old module name _tiny is the same module."""
+"""kha_compile.cli.tiny: seeded tiny models by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kha_compile
 from kha_compile.cli import tiny
 from kha_compile.core.errors import ModelLoadError
 
 pytest.importorskip("transformers")
-
-
-def test_the_old_name_is_the_same_module():
-    from kha_compile import _tiny
-
-    assert _tiny is tiny and kha_compile._tiny is tiny
 
 
 def test_make_is_seeded():

@@ -1,4 +1,4 @@
-"""kha_compile.errors: one sorted __all__ of KHAError subclasses, and specific classes where raised."""
+"""kha_compile.core.errors: one sorted __all__ of KHAError subclasses, and specific classes where raised."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kha_compile.mixins: a mixin class in front of a module's class, made once, findable by pickle."""
+"""kha_compile.core.mixins: a mixin class in front of a module's class, made once, findable by pickle."""
 
 from __future__ import annotations
 

@@ -311,7 +311,7 @@ def test_bad_block_sizes_rejected():
 
 
 def test_without_triton_raises_backend_unavailable(monkeypatch):
-    monkeypatch.setattr(km, "_import_triton", lambda: None)
+    monkeypatch.setattr("kha_compile.kernels.availability.import_triton", lambda: None)
     assert not triton_available()
     with pytest.raises(BackendUnavailableError) as info:
         mlp_value_triton(torch.randn(4, 16), *[torch.randn(16, 16)] * 3)

@@ -378,7 +378,7 @@ def test_strict_apply_with_some_sites_skipped_inserts_the_rest_and_logs_each_ski
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         ref = model(x)
-    with caplog.at_level("WARNING", logger="kha_compile.api"):
+    with caplog.at_level("WARNING", logger="kha_compile.passes.apply"):
         kc.apply(model, kc.KHAConfig(v="linear"), example_args=(x,), strict=True)
     report = kc.inspect(model, example_args=(x,))
     assert [s.name for s in report.matched] == ["ok.attn"], str(report)

@@ -18,7 +18,6 @@ import pathlib
 import platform
 import shutil
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,11 +25,11 @@ import torch
 import kha_compile as kc
 
 from ...core.errors import CommandError
-from ...exporters.onnx import export_onnx, onnx_summary
 from ...viz import LOSS_CURVES_FILE, diagonal_summary, plot_diagonal, plot_kha, plot_loss_curves
+from ..demo_export import DEMO_SENTENCES, Check, demo_export, encode
 from ..demo_train import DemoRun, TrainSpec, docstring_pairs, train_in_turns
-from ..models import export_target, kha_leftovers, kha_param_count, load_minilm
-from ..ort import FOLD_TOL, ONNX_TOL, max_diff, ort_run
+from ..models import kha_leftovers, kha_param_count, load_minilm
+from ..ort import FOLD_TOL, max_diff
 from ..ui import UI, fmt_diff, ok_mark, report_table
 from .viz import diagonal_table
 
@@ -97,41 +96,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
-
-
-DEMO_SENTENCES = [
-    "Knocking-heads attention lets attention heads share a small transform.",
-    "The weather is lovely today.",
-    "A folded model has exactly the original architecture.",
-    "ONNX Runtime runs the exported graph.",
-]
-_OTHER = ["One more sentence, of another length, to exercise the dynamic axes."]  # another shape
-
-
-def _features(st: Any, texts: Sequence[str]) -> dict:
-    prep = getattr(st, "preprocess", None) or st.tokenize
-    return prep(list(texts))
-
-
-def _encode(st: Any, texts: Sequence[str]) -> torch.Tensor:
-    with torch.no_grad():
-        return st.encode(list(texts), convert_to_tensor=True, show_progress_bar=False, batch_size=len(texts))
-
-
-def _st_embed_from_tokens(st: Any, feats: dict, token_embeddings: torch.Tensor) -> torch.Tensor:
-    """Run the SentenceTransformer's modules after the transformer (pooling, normalize) on given tokens."""
-    out = dict(feats, token_embeddings=token_embeddings)
-    with torch.no_grad():
-        for module in list(st)[1:]:
-            out = module(out)
-    return out["sentence_embedding"]
-
-
-@dataclasses.dataclass
-class _Check:
-    what: str
-    result: str
-    ok: bool | None  # None: a measurement, not a pass/fail check
 
 
 def run(args: argparse.Namespace, ui: UI) -> int:
@@ -283,7 +247,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = dataclasses.replace(_DEFAULT, steps=args.steps, lr=args.lr, kha_lr=args.kha_lr)
-    checks: list[_Check] = []
+    checks: list[Check] = []
     timings: dict[str, float] = {}
     ui.out.print(
         Panel.fit(
@@ -298,7 +262,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
         st = load_minilm()
         torch.manual_seed(0)
     with ui.step(f"encode {len(DEMO_SENTENCES)} sentences (reference embeddings)"):
-        e_base = _encode(st, DEMO_SENTENCES)
+        e_base = encode(st, DEMO_SENTENCES)
     keys_before = list(st.state_dict())
 
     with ui.step("inspect: trace one block, find the attention sites"):
@@ -316,8 +280,8 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
             title=f"after apply: {n_kha:,} KHA parameters ({len(report.matched)} sites × 3 roles × head_dim²)",
         )
     )
-    d_init = max_diff(_encode(st, DEMO_SENTENCES), e_base)
-    checks.append(_Check("identity at init", f"max |Δ embedding| = {fmt_diff(d_init)}", d_init == 0.0))
+    d_init = max_diff(encode(st, DEMO_SENTENCES), e_base)
+    checks.append(Check("identity at init", f"max |Δ embedding| = {fmt_diff(d_init)}", d_init == 0.0))
     ui.out.print(f"embeddings right after apply: max |Δ| = {fmt_diff(d_init)} {ok_mark(d_init == 0.0)}")
 
     kha2 = copy.deepcopy(st)  # KHA at init, the same weights as st
@@ -334,10 +298,10 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     ui.out.print(_comparison_table(runs, cmp))
     finite = all(math.isfinite(v) for r in runs for _, v in r.train_curve + r.val_curve)
     checks.append(
-        _Check("training", f"{len(runs)} runs × {spec.steps} steps in turns; all losses finite: {finite}", finite)
+        Check("training", f"{len(runs)} runs × {spec.steps} steps in turns; all losses finite: {finite}", finite)
     )
     checks.append(
-        _Check(
+        Check(
             "KHA vs baseline",
             f"val loss {cmp['val_loss_kha']:.4f} vs {cmp['val_loss_baseline']:.4f} "
             f"(mean Δ over 2 data orders {cmp['difference_kha_minus_baseline']:+.4f}, "
@@ -353,7 +317,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
             title="learned KHA matrices: diagonal mass ||diag T||²/||T||_F² (off-diagonal = 1 − it) and ||T − I||_F/√d",
         )
     )
-    e_kha = _encode(st, DEMO_SENTENCES)
+    e_kha = encode(st, DEMO_SENTENCES)
 
     with ui.step(f"save the KHA checkpoint and {LOSS_CURVES_FILE} to {out_dir}"):
         kc.save_pretrained(st, out_dir / "kha_checkpoint")
@@ -371,13 +335,13 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     t0 = time.perf_counter()
     with ui.step("fold the linear KHA into the query/key/value weights"):
         kc.fold(st)
-    e_fold = _encode(st, DEMO_SENTENCES)
+    e_fold = encode(st, DEMO_SENTENCES)
     d_fold = max_diff(e_fold, e_kha)
     left = kha_leftovers(st)
     same_keys = list(st.state_dict()) == keys_before
     fold_ok = d_fold < FOLD_TOL and not left and same_keys
     checks.append(
-        _Check(
+        Check(
             "fold",
             f"max |Δ| vs trained KHA = {fmt_diff(d_fold)}; KHA modules left: {len(left)}; "
             f"state_dict keys = original: {same_keys}",
@@ -393,7 +357,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     diffs: dict[str, Any] = {"identity_at_init": d_init, "fold": d_fold}
     if not args.no_export:
         t0 = time.perf_counter()
-        export_checks, onnx_diffs = _demo_export(st, out_dir, ui)
+        export_checks, onnx_diffs = demo_export(st, out_dir, ui)
         checks.extend(export_checks)
         diffs.update(onnx_diffs)
         timings["export"] = time.perf_counter() - t0
@@ -430,79 +394,7 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     return 0 if all(c.ok is not False for c in checks) else 1
 
 
-def _demo_export(st: Any, out_dir: pathlib.Path, ui: UI) -> tuple[list[_Check], dict[str, float]]:
-
-    checks = []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    feats = _features(st, DEMO_SENTENCES)
-    tokens = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor) and k != "token_embeddings"}
-    other = _features(st, _OTHER)
-    other_tokens = {k: v for k, v in other.items() if isinstance(v, torch.Tensor)}
-
-    # 1. the folded (vanilla) transformer
-    batches = [(DEMO_SENTENCES, feats, tokens), (_OTHER, other, other_tokens)]
-
-    def export_and_compare(model, path, what, how):
-        with ui.step(f"export {what} to {path}"):
-            export_onnx(export_target(model), path, example_kwargs=tokens)
-        with ui.step(f"run it in onnxruntime{how} and compare with torch"):
-            return onnx_summary(path), _ort_parity_embeddings(model, path, batches)
-
-    path = out_dir / "minilm_kha_folded.onnx"
-    s, d = export_and_compare(st, path, "the folded transformer", "")
-    checks.append(
-        _Check(
-            "ONNX, linear KHA folded",
-            f"onnxruntime vs torch max |Δ| = {fmt_diff(d)}; "
-            f"{s.num_nodes} nodes, {s.num_custom_nodes} custom; "
-            f"{path.stat().st_size / 2**20:.1f} MiB",
-            d < ONNX_TOL,
-        )
-    )
-    ui.out.print(
-        f"{path.name}: {s.num_nodes} nodes, {s.num_custom_nodes} custom nodes, inputs "
-        f"{', '.join(str(i) for i in s.inputs)}; onnxruntime vs torch: max |Δ| = {fmt_diff(d)} "
-        f"{ok_mark(d < ONNX_TOL)}"
-    )
-
-    # 2. MLP-value KHA on a fresh model: not foldable, ships as one custom node per attention
-    with ui.step("fresh model: apply KHAConfig(v='mlp')"):
-        st2 = load_minilm()
-        kc.apply(st2, kc.KHAConfig(v="mlp"))
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # stand-in for training, so the check exercises the MLP: seeded noise
-            for n, p in st2.named_parameters():
-                if ".kha." in n:
-                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    path2 = out_dir / "minilm_kha_mlp.onnx"
-    s2, d2 = export_and_compare(st2, path2, "the MLP-value model", " (the kha::MLPValue function body)")
-    ok2 = d2 < ONNX_TOL and s2.num_custom_nodes == 6
-    checks.append(
-        _Check(
-            "ONNX, MLP-value KHA",
-            f"{s2.num_custom_nodes} kha::MLPValue nodes (6 expected); onnxruntime vs torch max |Δ| = {fmt_diff(d2)}",
-            ok2,
-        )
-    )
-    ui.out.print(
-        f"{path2.name}: {s2.num_nodes} nodes, [bold]{s2.num_custom_nodes} kha::MLPValue[/] custom nodes, "
-        f"functions {', '.join('::'.join(f) for f in s2.functions)}; onnxruntime vs torch "
-        f"(KHA weights perturbed with seeded noise): max |Δ| = {fmt_diff(d2)} {ok_mark(ok2)}"
-    )
-    return checks, {"onnx_folded_vs_torch": d, "onnx_mlp_value_vs_torch": d2}
-
-
-def _ort_parity_embeddings(st: Any, path: pathlib.Path, batches: list) -> float:
-    """Max |onnxruntime - torch| over sentence embeddings: ONNX hidden states, then st's pooling."""
-    worst = 0.0
-    for texts, feats, tokens in batches:
-        (hidden, *_) = ort_run(path, (), tokens)
-        got = _st_embed_from_tokens(st, feats, torch.from_numpy(hidden))
-        worst = max(worst, max_diff(got, _encode(st, texts)))
-    return worst
-
-
-def _summary_table(checks: list[_Check], seconds: float) -> Any:
+def _summary_table(checks: list[Check], seconds: float) -> Any:
     from rich.table import Table
 
     table = Table(title="summary", title_justify="left")

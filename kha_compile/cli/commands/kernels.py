@@ -11,13 +11,13 @@ import argparse
 import json
 import pathlib
 import re
-from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...core.optional import require_backend
 from ...kernels.aot import compile_variants
 from ..ui import UI, ok_mark
 
-__all__ = ["NAME", "load_compile_variants", "parse_archs", "register", "run"]
+__all__ = ["NAME", "parse_archs", "register", "run"]
 
 NAME = "kernels"
 
@@ -59,12 +59,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
     return p
 
 
-def load_compile_variants() -> Callable[[list[str]], Sequence[Any]]:
-    """``kha_compile.kernels.aot.compile_variants`` (it raises BackendUnavailableError without triton)."""
-    fn: Callable[[list[str]], Sequence[Any]] = compile_variants
-    return fn
-
-
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -78,7 +72,10 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    compile_variants = load_compile_variants()
+    require_backend(
+        "triton",
+        hint="kha-compile kernels needs Triton to compile the kernels: pip install 'kha-compile[triton]' (no GPU is needed)",
+    )
     with ui.step(f"compile the kernel variants for {', '.join(args.arch)}"):
         records = list(compile_variants(list(args.arch)))
     by_kernel: dict[str, list[Any]] = {}
