@@ -25,6 +25,7 @@ from torch import nn
 
 from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
+from ..model.transforms import transform_kinds
 from ..ops.mlp_value_onnx import (
     MLP_VALUE_DOMAIN,
     MLP_VALUE_DOMAIN_VERSION,
@@ -318,6 +319,14 @@ def _fold_copy(model: nn.Module) -> None:
     log.info("folded the linear KHA of a copy of %s before export", type(model).__name__)
 
 
+def _translations() -> dict[Any, Any]:
+    """torch op -> onnxscript translation for the ops every registered transform kind emits."""
+    table: dict[Any, Any] = {}
+    for kind in transform_kinds().values():
+        table.update(kind.onnx_translations())
+    return table
+
+
 def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> Any:
     """torch.onnx.export (dynamo) with the MLP-value translation; ExportError names the step."""
     name = type(model).__name__
@@ -335,7 +344,7 @@ def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) ->
                 kwargs=kwargs,
                 dynamo=True,
                 dynamic_shapes=shapes,
-                custom_translation_table={torch.ops.kha.mlp_value.default: translate_mlp_value},
+                custom_translation_table=_translations(),
                 optimize=True,
                 verbose=False,
             )
