@@ -22,7 +22,9 @@ from torch import Tensor, nn
 
 from ..core.errors import FoldError
 from ..core.mixins import mixin_class, module_class_named
+from ..core.optional import is_dtensor
 from .rows import base_class, fold_rows, weight_out_axis
+from .sharded import adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
 from .strategy import check_strategy, swapped_params, use_weight_side
 from .transforms import get_transform, kind_of
@@ -39,6 +41,7 @@ __all__ = [
     "kha_class_for",
     "kha_modules",
     "make_transform",
+    "register_by_path",
     "set_handler",
     "set_strategy",
     "transforms_of",
@@ -47,8 +50,26 @@ __all__ = [
 HANDLER_ATTR = "_kha_handler"  # instance attribute of a module with KHA: the name of its projection handler
 
 
+def register_by_path(module: nn.Module, name: str, param: nn.Parameter | None) -> bool:
+    """Register a parameter named by its dotted path (``kha.q.weight``) on the child that owns it.
+
+    torch's tensor-parallel styles (``ColwiseParallel``) re-register every parameter of the module
+    they shard under its name in ``module.named_parameters()``, children included, and
+    ``nn.Module.register_parameter`` refuses dotted names. Returns False for a plain name.
+    """
+    if "." not in name:
+        return False
+    owner, _, leaf = name.rpartition(".")
+    module.get_submodule(owner).register_parameter(leaf, param)
+    return True
+
+
 class KHATransforms(nn.ModuleDict):
     """The ``kha`` child of a KHA carrier: one shared transform per role ("q", "k", "v")."""
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        if not register_by_path(self, name, param):  # torch's ColwiseParallel names its children's parameters
+            super().register_parameter(name, param)
 
 
 def make_transform(
@@ -95,6 +116,11 @@ class KHAProjection(nn.Module):
         with swapped_params(self, self.kha_fold(folded, detach=False)):
             y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
         return self.kha_transform(y, skip=folded)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """``nn.Module.register_parameter``; a dotted name (torch's ``ColwiseParallel``) goes to its owner."""
+        if not register_by_path(self, name, param):
+            super().register_parameter(name, param)
 
     def _kha_sources(self, roles: Sequence[str]) -> list[Tensor]:
         """The tensors a fold of ``roles`` reads: weight, bias, and each role's transform parameters."""
@@ -158,6 +184,8 @@ class KHAProjection(nn.Module):
 
     def kha_transform(self, y: Tensor, skip: Sequence[str] = ()) -> Tensor:
         """Apply each role's transform (except those in ``skip``) to its head slices of ``y`` (..., out)."""
+        if is_dtensor(y) and adopt_tensor_parallel(self):  # torch's parallelize_module sharded this projection
+            return self.kha_transform(y, skip)  # now a TensorParallelKHA: this rank's heads
         slots, mode, stride = self._kha_layout(skip)
         return transform_slices(y, slots, mode, stride, dict(self.kha.items()))
 

@@ -1,10 +1,15 @@
 """Sharded models inside the model: FSDP2 and DTensor detection, and tensor-parallel KHA projections.
 
-:func:`refuse_sharded` says, before anything is touched, that a verb needs the unsharded model.
+:func:`refuse_sharded` says, before anything is touched, that a verb needs the unsharded model
+(and, for a model that transformers sharded with ``tp_plan``, the order of calls that works).
 :class:`TensorParallelKHA` is the class a KHA projection gets once its weight is sharded
-column-wise (``kc.parallelize``): its transforms run on the rank's local heads
-(:func:`local_slots`), with parameters replicated over the TP mesh and their gradients summed
-over the TP group in one all-reduce per transform, which is exactly the single-process gradient.
+column-wise: its transforms run on the rank's local heads (:func:`local_slots`), and their
+gradients are summed over the TP group in one all-reduce per transform, which is exactly the
+single-process gradient. ``kc.parallelize`` makes it eagerly, with the transforms replicated over
+the TP mesh. After torch's own ``parallelize_module`` the projection becomes one on its first
+forward (:func:`adopt_tensor_parallel`, no communication); torch then stores each transform
+sharded like the weight (``Shard(0)``), and every call gathers it whole (one all-gather of its
+d x d values) before it acts on whole head vectors.
 
 Example::
 
@@ -24,11 +29,12 @@ from torch import Tensor, nn
 from ..core.errors import ShardedModelError, TensorParallelError
 from ..core.mixins import mixin_class
 from ..core.optional import is_dtensor, loaded
-from .slots import HeadSlot, transform_slices
+from .slots import HeadSlot, layout_plan, transform_slices
 from .transforms import kind_of
 
 __all__ = [
     "TensorParallelKHA",
+    "adopt_tensor_parallel",
     "is_dtensor",
     "is_sharded",
     "local_features",
@@ -36,7 +42,9 @@ __all__ = [
     "refuse_sharded",
     "shard_carrier",
     "sharded_parts",
+    "tensor_parallel_layout",
     "tp_class",
+    "transformers_tp_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,11 +72,36 @@ def is_sharded(model: nn.Module) -> bool:
     return bool(sharded_parts(model, limit=1))
 
 
+def transformers_tp_size(model: nn.Module) -> int | None:
+    """The TP degree of a model that transformers sharded itself (``from_pretrained(..., tp_plan=...)``), else None."""
+    if loaded("transformers") is None:
+        return None
+    for m in model.modules():
+        size = m.__dict__.get("_tp_size")  # set on the instance by transformers' distributed loading
+        if isinstance(size, int) and size > 1:
+            return size
+    return None
+
+
+TRANSFORMERS_TP_ROUTE = (
+    "transformers' own tensor-parallel forwards replace the projections' forward and do not know KHA. Load the "
+    "model without tp_plan (every rank holds the full model), add KHA with kc.apply(model, cfg) or "
+    "kc.load_pretrained(model, d), then shard it with kc.parallelize(model, mesh, 'auto'): that applies the "
+    "model's own tp_plan (config.base_model_tp_plan) with torch's parallel styles, KHA included."
+)
+
+
 def refuse_sharded(model: nn.Module, verb: str) -> None:
     """Raise :class:`ShardedModelError` if ``model`` is sharded; ``verb`` names the refused call."""
     parts = sharded_parts(model)
     if not parts:
         return
+    tp_size = transformers_tp_size(model) if verb != "fold" else None
+    if tp_size is not None:
+        raise ShardedModelError(
+            f"{type(model).__name__} was sharded by transformers (tp_plan, tp_size={tp_size}; {', '.join(parts)}), "
+            f"so kc.{verb} cannot run on it. {TRANSFORMERS_TP_ROUTE} Nothing was changed."
+        )
     if verb == "fold":
         todo = (
             "Gather first: call kc.save_pretrained(model, d) on every rank (rank 0 writes the KHA weights), "
@@ -136,11 +169,74 @@ class TensorParallelKHA:
         module = self.kha[role]
         group = self._kha_tp_group
         names, tensors = zip(*module.named_parameters())
-        local = [p.to_local() if is_dtensor(p) else p for p in tensors]
-        params = dict(zip(names, _SumOverGroup.apply(group, *local)))  # one all-reduce per transform
+        params = dict(zip(names, _SumOverGroup.apply(group, *map(_whole_local, tensors))))  # one all-reduce each
         kind = kind_of(module)
         ordered = [params[n] for n in kind.param_names]
         return lambda x: kind.functional(x, *ordered)
+
+
+def _whole_local(p: Tensor) -> Tensor:
+    """The whole transform parameter on this rank: gathered if torch's ``ColwiseParallel`` sharded it."""
+    if not is_dtensor(p):
+        return p
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(pl, Replicate) for pl in p.placements):  # type: ignore[attr-defined]
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        p = p.redistribute(mesh, [Replicate()] * mesh.ndim)  # type: ignore[attr-defined]  # all-gather; grad: slice
+    return p.to_local()  # type: ignore[attr-defined]
+
+
+def tensor_parallel_layout(module: nn.Module, name: str) -> tuple[tuple[HeadSlot, ...], str, int] | None:
+    """(local slots, plan, stride) of a KHA projection whose weight is sharded on its output axis; None: replicated.
+
+    Reads the placements of the weight (a DTensor); no communication. Raises
+    :class:`TensorParallelError` where the shard splits a head or shards the input features.
+
+    Example::
+
+        tensor_parallel_layout(q_proj, "model.layers.0.self_attn.q_proj")   # ((HeadSlot('q', 0, 2, 16, 16),), ...)
+    """
+    w = module._parameters.get("weight")
+    if w is None or not is_dtensor(w):
+        return None
+    axis = getattr(module, "_kha_weight_axis", None)
+    try:
+        local = local_features(w, 0 if axis is None else axis)
+    except TensorParallelError as e:
+        raise TensorParallelError(
+            f"{name}: a KHA projection is sharded with {e}; shard q/k/v projections with "
+            "ColwiseParallel (output features), never on their input features."
+        ) from None
+    if local is None:
+        return None
+    kha: Any = module._modules["kha"]  # the carrier's KHATransforms
+    slots = local_slots(name, tuple(s for s in module.__dict__["_kha_slots"] if s.role in kha), local)
+    return (slots, *layout_plan(slots, len(local)))
+
+
+def adopt_tensor_parallel(module: nn.Module) -> bool:
+    """Make a KHA projection whose weight torch sharded column-wise a :class:`TensorParallelKHA` (False: not sharded).
+
+    What a KHA projection does on its first forward after torch's own ``parallelize_module``:
+    its local head slots are read off the sharded weight, with no communication. Errors name
+    ``kc.parallelize``, which checks the same when it is called.
+    """
+    if isinstance(module, TensorParallelKHA):
+        return False
+    roles = "/".join(s.role for s in module.__dict__["_kha_slots"])
+    try:
+        layout = tensor_parallel_layout(module, f"{type(module).__name__} ({roles})")
+    except TensorParallelError as e:
+        raise TensorParallelError(
+            f"{e} (found on the first forward after parallelize_module; kc.parallelize(model, mesh, plan) "
+            "checks this when it shards, and names the module)"
+        ) from None
+    if layout is None:
+        return False
+    shard_carrier(module, layout, module._parameters["weight"].device_mesh.get_group())  # type: ignore[union-attr]
+    log.debug("%s: tensor parallel on %s", type(module).__name__, layout[0])
+    return True
 
 
 def shard_carrier(module: nn.Module, layout: tuple[tuple[HeadSlot, ...], str, int], group: Any) -> None:

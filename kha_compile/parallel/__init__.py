@@ -1,8 +1,10 @@
 """Distributed training with KHA: tensor parallel (:func:`parallelize`), FSDP2 edges, DTensor rules.
 
-Order of calls: ``kc.apply`` on the unsharded model, then ``kc.parallelize`` (TP), then
-``fully_shard`` (FSDP2). ``kc.apply`` / ``kc.inspect`` / ``kc.fold`` on a sharded model raise
-:class:`~kha_compile.core.errors.ShardedModelError`.
+Order of calls: ``kc.apply`` on the unsharded model, then ``kc.parallelize`` (TP; torch's own
+``parallelize_module`` works too), then ``fully_shard`` (FSDP2). ``kc.apply`` / ``kc.inspect`` /
+``kc.fold`` on a sharded model raise :class:`~kha_compile.core.errors.ShardedModelError`; for a
+model that transformers sharded (``from_pretrained(..., tp_plan="auto")``) the error gives the
+order that works: load without ``tp_plan``, ``kc.apply``, ``kc.parallelize(model, mesh, "auto")``.
 
 Example::
 

@@ -90,8 +90,11 @@ def make(name, cfg, **llama):
     return model
 
 
-def steps(model, ids_list, n=2, lr=0.5, loss_group=None):
-    """Losses, KHA grads of the first step and KHA weights after n SGD steps (full tensors)."""
+def steps(model, ids_list, n=2, lr=0.5, loss_group=None, eval_ids=None):
+    """Losses, KHA grads of the first step, KHA weights after n SGD steps (full tensors), then no_grad logits.
+
+    The logits are of ``eval_ids`` (default: the first batch).
+    """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], None
     for _ in range(n):
@@ -107,13 +110,16 @@ def steps(model, ids_list, n=2, lr=0.5, loss_group=None):
             loss /= dist.get_world_size(loss_group)
         losses.append(float(loss))
     weights = {k: full(p.detach()).clone() for k, p in kha_named(model).items()}
-    return losses, grads, weights
+    with torch.no_grad():  # after training: one process runs linear KHA weight-side here (tokens > d_model)
+        logits = full(model(input_ids=ids_list[0] if eval_ids is None else eval_ids, use_cache=False).logits)
+    return losses, grads, weights, logits
 
 
 def compare(tag, got, ref):
-    gl, gg, gw = got
-    rl, rg, rw = ref
+    gl, gg, gw, go = got
+    rl, rg, rw, ro = ref
     assert max(abs(a - b) for a, b in zip(gl, rl)) < TOL, (tag, "loss", gl, rl)
+    assert (go - ro).abs().max() < TOL, (tag, "no_grad logits", float((go - ro).abs().max()))
     assert set(gg) == set(rg) and set(gw) == set(rw), (tag, sorted(gg), sorted(rg))
     for k in rg:
         assert (gg[k] - rg[k]).abs().max() < TOL, (tag, "grad", k, float((gg[k] - rg[k]).abs().max()))
@@ -154,20 +160,65 @@ def check_mlp_value_dtensor(mesh):
     print("OK mlp_value DTensor")
 
 
+def plain_parallelize(model, mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, mesh, llama_plan(model))  # torch's own call, after kc.apply
+
+
+def check_transformers_tp_refused(out_dir):
+    """from_pretrained(tp_plan="auto") shards with transformers' forwards: apply / load_pretrained refuse, untouched."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = f"{out_dir}_hf"
+    if dist.get_rank() == 0:
+        tiny.make("tiny-llama").save_pretrained(hf_dir)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, tp_plan="auto")
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    for call in (lambda: kc.apply(model, MLP), lambda: kc.load_pretrained(model, out_dir)):
+        try:
+            call()
+        except kc.errors.ShardedModelError as e:
+            assert "sharded by transformers" in str(e) and "kc.parallelize(model, mesh, 'auto')" in str(e), e
+        else:
+            raise AssertionError("a model sharded by transformers was not refused")
+    after = {k: full(v) for k, v in model.state_dict().items()}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(".kha." in k for k in after)
+    print("OK tp transformers tp_plan refused")
+
+
 def main_tp():
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    # 192 tokens > d_model (64): one process runs linear KHA weight-side, TP runs it token-side on local heads
+    ids = torch.randint(0, 128, (3, 64), generator=torch.Generator().manual_seed(0))
     check_mlp_value_dtensor(mesh)
     for tag, cfg in (("linear", LINEAR), ("mlp", MLP)):
         ref = steps(make("tiny-llama", cfg), [ids])
-        model = make("tiny-llama", cfg)
-        kc.parallelize(model, mesh, llama_plan(model))
-        got = steps(model, [ids])
-        moved = compare(f"llama-{tag}", got, ref)
-        same_on_every_rank(tag, got[2])
-        print(f"OK tp llama {tag} max|grad| {moved:.3g}")
+        for how, shard in (
+            ("kc", lambda m: kc.parallelize(m, mesh, llama_plan(m))),
+            ("plain", lambda m: plain_parallelize(m, mesh)),
+        ):
+            model = make("tiny-llama", cfg)
+            shard(model)
+            got = steps(model, [ids])
+            moved = compare(f"llama-{tag}-{how}", got, ref)
+            same_on_every_rank(tag, got[2])
+            print(f"OK tp {how} llama {tag} max|grad| {moved:.3g}")
+    # plan="auto": the model's own transformers tp_plan (embeddings, MLP, lm_head too), tied embeddings kept tied
+    tied = {"tie_word_embeddings": True, "num_key_value_heads": 2}
+    ref = steps(make("tiny-llama", MLP, **tied), [ids])
+    model = make("tiny-llama", MLP, **tied)
+    kc.parallelize(model, mesh, "auto")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.layers[0].mlp.up_proj.weight.placements[0].is_shard(0)
+    got = steps(model, [ids])
+    moved = compare("llama-auto", got, ref)
+    same_on_every_rank("auto", got[2])
+    print(f"OK tp auto plan max|grad| {moved:.3g}")
     ref = steps(make("gpt_neox", MLP), [ids])
     model = make("gpt_neox", MLP)
     kc.parallelize(model, mesh, neox_plan(model))
@@ -194,6 +245,7 @@ def main_tp():
         _, tensors = read_checkpoint(out_dir)
         assert set(tensors) == set(got[2]) and all(torch.equal(tensors[k], got[2][k]) for k in tensors)
     print("OK tp save")
+    check_transformers_tp_refused(out_dir)
     # MQA: one kv head cannot be split over 2 ranks
     model = make("tiny-llama", MLP, num_key_value_heads=1)
     try:
@@ -202,6 +254,14 @@ def main_tp():
         assert "split across ranks" in str(e) and "divides" in str(e), e
     else:
         raise AssertionError("MQA over 2 ranks was not refused")
+    model = make("tiny-llama", MLP, num_key_value_heads=1)
+    plain_parallelize(model, mesh)  # torch's call cannot see KHA: the first forward refuses
+    try:
+        model(input_ids=ids[:, :8], use_cache=False)
+    except kc.errors.TensorParallelError as e:
+        assert "split across ranks" in str(e) and "kc.parallelize" in str(e), e
+    else:
+        raise AssertionError("MQA over 2 ranks was not refused after parallelize_module")
     print("OK tp mqa refused")
 
 
@@ -211,14 +271,14 @@ def main_fsdp_tp():
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(2)]
+    batches = [torch.randint(0, 128, (2, 48), generator=gen) for _ in range(2)]  # 96 tokens > d_model each
     ref = steps(make("tiny-llama", MLP), batches)
     model = make("tiny-llama", MLP)
     kc.parallelize(model, mesh["tp"], llama_plan(model))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    got = steps(model, [batches[mesh["dp"].get_local_rank()]], loss_group=mesh["dp"].get_group())
+    got = steps(model, [batches[mesh["dp"].get_local_rank()]], loss_group=mesh["dp"].get_group(), eval_ids=batches[0])
     moved = compare("fsdp+tp", got, ref)
     same_on_every_rank("fsdp+tp", got[2])
     print(f"OK fsdp+tp max|grad| {moved:.3g}")
