@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import os
 from typing import cast
@@ -22,7 +23,7 @@ import torch
 from torch.fx import Node
 
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
-from .layout import IDENTITY_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
+from .layout import LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
 from .rules import Anchor, attention_rules
 
 __all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
@@ -143,10 +144,73 @@ def _role_match(
     return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
 
 
-def _strip_identity(node: Node) -> Node:
-    while node.op == "call_function" and node.target in IDENTITY_OPS and node.args and isinstance(node.args[0], Node):
-        node = node.args[0]
-    return node
+_SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)
+
+
+def _is_plain_layout(node: Node) -> bool:
+    """A layout (or identity) op whose only tensor input is its first argument."""
+    return (
+        node.op == "call_function"
+        and node.target in LAYOUT_OPS
+        and bool(node.args)
+        and isinstance(node.args[0], Node)
+        and not any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values()))
+    )
+
+
+def _layout_chain(node: Node) -> tuple[Node, list[Node]]:
+    """The tensor that ``node`` rearranges and the layout ops from it to ``node``, source first.
+
+    Example::
+
+        _layout_chain(permute_2)     # (x, [permute_2]) for permute_2 = x.permute(1, 0, 2)
+    """
+    chain: list[Node] = []
+    while _is_plain_layout(node):
+        chain.append(node)
+        node = cast(Node, node.args[0])
+    return node, chain[::-1]
+
+
+def _pushed_index(source: Node, chain: list[Node]) -> torch.Tensor | None:
+    """Where each element of the chain's output comes from in ``source`` (its flat index), or None."""
+    shape = shape_of(source)
+    if shape is None or math.prod(shape) > _SAME_VALUES_MAX_NUMEL:
+        return None
+    idx: object = torch.arange(math.prod(shape)).reshape(shape)
+    prev = source
+    try:
+        for node in chain:
+            idx = push_layout(idx, node, prev, {})
+            prev = node
+    except (NotLayout, RuntimeError, IndexError, TypeError, ValueError):
+        return None
+    return idx if isinstance(idx, torch.Tensor) else None
+
+
+def _same_values(a: Node, b: Node) -> bool:
+    """True when ``a`` and ``b`` hold the same tensor: one node, or one source rearranged the same way.
+
+    Self-attention fed ``x.permute(1, 0, 2)`` three times (or a permute and an equal transpose) has
+    three projection inputs that are distinct nodes but one tensor: it is not cross-attention.
+
+    Example::
+
+        _same_values(permute_1, transpose_1)    # True: both are x.permute(1, 0, 2)
+    """
+    if a is b:
+        return True
+    (sa, ca), (sb, cb) = _layout_chain(a), _layout_chain(b)
+    if sa is not sb:
+        return False
+
+    def ops(chain: list[Node]) -> list[tuple[object, str, str]]:
+        return [(n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))) for n in chain]
+
+    if ops(ca) == ops(cb):  # the same ops with the same arguments
+        return True
+    ia, ib = _pushed_index(sa, ca), _pushed_index(sb, cb)
+    return ia is not None and ib is not None and ia.shape == ib.shape and bool(torch.equal(ia, ib))
 
 
 def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
@@ -242,9 +306,7 @@ def find_sites(exported) -> list[RawSite]:
                 or _latent_input(g, k.projection, name)
                 or _latent_input(g, v.projection, name)
             )
-            site.cross = not site.mla and _strip_identity(q.projection.input_node) is not _strip_identity(
-                k.projection.input_node
-            )
+            site.cross = not site.mla and not _same_values(q.projection.input_node, k.projection.input_node)
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)

@@ -13,9 +13,10 @@ from torch import nn
 import kha_compile as kc
 
 from ..analysis.inputs import sentence_transformer_model
-from ..core.errors import MissingDependencyError, ModelLoadError
+from ..core.errors import CheckpointError, CommandError, MissingDependencyError, ModelLoadError
 from ..core.kinds import TransformName
 from ..model.config import KHAConfig
+from ..store.hf import CONFIG_KEY, records_kha, stored_kha_keys
 from . import tiny
 from .ui import UI, quiet_transformers
 
@@ -29,6 +30,7 @@ __all__ = [
     "load_minilm",
     "load_model",
     "load_with_kha",
+    "recorded_kha",
     "require",
 ]
 
@@ -107,14 +109,56 @@ def _sentence_transformer(path: str) -> nn.Module:
     return model
 
 
-def load_with_kha(spec: str, kha: str | None, ui: UI) -> tuple[nn.Module, str]:
-    """Load MODEL, then the KHA checkpoint ``kha`` into it when given."""
+def recorded_kha(spec: str) -> pathlib.Path | None:
+    """The directory ``spec`` when its transformers config records trained KHA (``model.save_pretrained``
+    or ``st.save`` after ``kc.apply``), else None; refuses one whose weights hold KHA tensors that its
+    config does not record (they cannot be re-applied, and transformers would drop them).
 
+    Example::
+
+        recorded_kha("out")          # Path("out") after model.save_pretrained("out") on a KHA model
+    """
+    path = pathlib.Path(spec)
+    if spec in tiny.TINY_MODELS or spec == MINILM or not path.is_dir():
+        return None
+    if records_kha(path):
+        return path
+    keys = stored_kha_keys(path)
+    if keys:
+        raise CheckpointError(
+            f"{spec!r} holds {len(keys)} KHA tensors (e.g. {keys[0]!r}) but its config.json has no "
+            f"{CONFIG_KEY!r} entry saying how to re-apply them, so the trained transforms cannot be loaded and "
+            "a plain load would drop them. Save the model again after kc.apply (kc.apply records the entry), "
+            "or save the KHA with kc.save_pretrained and pass it with --kha."
+        )
+    return None
+
+
+def load_with_kha(spec: str, kha: str | None, ui: UI) -> tuple[nn.Module, str]:
+    """Load MODEL with its trained KHA: the KHA its own directory records, or the checkpoint ``kha``.
+
+    A directory written by ``model.save_pretrained`` (or ``st.save``) after ``kc.apply`` records
+    the KHA in its config.json; it is re-applied and its trained tensors loaded
+    (``kc.load_pretrained(model, MODEL)``), so no command runs on the model without them.
+
+    Example::
+
+        model, name = load_with_kha("out", None, ui)      # out: model.save_pretrained("out") of a KHA model
+    """
+
+    recorded = recorded_kha(spec)  # before loading: a directory whose KHA cannot be loaded is refused first
+    if recorded is not None and kha and pathlib.Path(kha).resolve() != recorded.resolve():
+        raise CommandError(
+            f"{spec!r} records its own trained KHA (the {CONFIG_KEY!r} entry of its config.json), which is "
+            f"loaded from it; --kha {kha} would apply a second one. Drop --kha, or pass a model without KHA."
+        )
     with ui.step(f"load {spec}"):
         model, name = load_model(spec)
-    if kha:
-        with ui.step(f"load the KHA checkpoint {kha}"):
-            kc.load_pretrained(model, kha)
+    source = kha or (str(recorded) if recorded is not None else None)
+    if source:
+        what = "the KHA recorded in" if recorded is not None else "the KHA checkpoint"
+        with ui.step(f"load {what} {source}"):
+            kc.load_pretrained(model, source)
     return model, name
 
 

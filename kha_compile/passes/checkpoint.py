@@ -13,7 +13,7 @@ from ..core.errors import CheckpointError, NoKHATransformsError
 from ..model.config import config_of
 from ..store.distributed import gather_for_save, rank0_wrote, telling_other_ranks
 from ..store.format import checkpoint_misfit, kha_state, read_checkpoint, write_checkpoint
-from ..store.names import canonical_name
+from ..store.names import align_names, canonical_name
 from .apply import apply, remove
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -52,17 +52,26 @@ def load_pretrained(
 ) -> nn.Module:
     """Re-apply KHA to a fresh ``model`` as saved in ``directory`` and load its weights.
 
-    Validates names and shapes; on any mismatch the model is left exactly as it was.
+    ``directory`` is one written by :func:`save_pretrained`, or the model's own checkpoint when its
+    config records KHA (``model.save_pretrained``, a Trainer checkpoint, a sentence-transformers
+    ``st.save``). Names that differ only by the prefix of a wrapper (a ``SentenceTransformer``
+    around its transformers model) are mapped. Validates names and shapes; on any mismatch the
+    model is left exactly as it was.
 
     Example::
 
         model = AutoModelForCausalLM.from_pretrained(path)
         kc.load_pretrained(model, "kha_ckpt")
+        st = kc.load_pretrained(SentenceTransformer("st_out"), "st_out")      # after st.save("st_out")
     """
     cfg, tensors = read_checkpoint(directory)
     apply(model, cfg, example_args, example_kwargs)
     try:
         state = kha_state(model)
+        names = align_names(state, tensors)  # a SentenceTransformer and its transformer's own checkpoint
+        if names is not None and any(k != v for k, v in names.items()):
+            log.info("KHA checkpoint names mapped onto %s, e.g. %s", type(model).__name__, next(iter(names.items())))
+            tensors = {names[k]: v for k, v in tensors.items()}
         misfit = checkpoint_misfit(
             {k: tuple(v.shape) for k, v in state.items()}, {k: tuple(v.shape) for k, v in tensors.items()}
         )

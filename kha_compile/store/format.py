@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError, KHAError
 from ..model.config import CONFIG_VERSION, KHAConfig
-from .hf import is_hf_dir, read_hf
+from .hf import hf_model_dir, is_hf_dir, read_hf
 from .names import canonical_name, is_kha_key
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "checkpoint_misfit", "kha_state", "read_checkpoint", "write_checkpoint"]
@@ -47,11 +47,20 @@ def write_checkpoint(directory: pathlib.Path, tensors: dict[str, torch.Tensor], 
 
 
 def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
-    """Read and validate a KHA checkpoint fully, before anything touches a model."""
+    """Read and validate a KHA checkpoint fully, before anything touches a model.
+
+    ``directory`` is one written by ``kc.save_pretrained``, or a transformers (``model.save_pretrained``,
+    a Trainer checkpoint) or sentence-transformers (``st.save``) directory whose config records KHA.
+
+    Example::
+
+        cfg, tensors = read_checkpoint("kha_ckpt")
+    """
     directory = pathlib.Path(directory)
     cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-    if not cfg_path.is_file() and is_hf_dir(directory):  # written by the model's own save_pretrained / Trainer
-        return read_hf(directory)
+    hf_dir = hf_model_dir(directory)  # a sentence-transformers directory: its Transformer module's folder
+    if not cfg_path.is_file() and is_hf_dir(hf_dir):  # written by the model's own save_pretrained / Trainer / st.save
+        return read_hf(hf_dir)
     for p in (cfg_path, weights_path):
         if not p.is_file():
             raise CheckpointError(

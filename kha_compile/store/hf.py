@@ -4,8 +4,20 @@ the KHA tensors back from the weight files ``save_pretrained`` (and the Trainer)
 ``kc.apply`` records the KHA config as ``model.config.kha_compile`` (``kc.fold`` and ``kc.remove``
 update or drop it), so ``model.save_pretrained(d)`` writes it into ``d/config.json`` next to the
 KHA tensors in ``model.safetensors`` (or its shards). ``kc.load_pretrained(model, d)`` then
-re-applies KHA and loads those tensors. ``AutoModel.from_pretrained(d)`` alone builds the model
-without KHA and lists the ``.kha.`` tensors among its unexpected keys.
+re-applies KHA and loads those tensors. A sentence-transformers directory (``st.save(d)``) holds
+its transformers model in the Transformer module's folder (:func:`hf_model_dir`).
+
+``AutoModel.from_pretrained(d)`` alone builds the model without KHA: it drops the ``.kha.``
+tensors (its load report lists them as unexpected, "can be ignored") and computes something other
+than the trained model. transformers 5.24 reads nothing from a checkpoint that could say more
+(unknown ``config.json`` keys are kept silently; ``auto_map`` needs ``trust_remote_code``), except
+one warning that prints a value from ``config.json``: an unknown ``quantization_config.quant_method``
+("Unknown quantization type, got ...", after which it loads the model as usual, unquantized). So
+:func:`record_config` also sets :data:`LOAD_HINT` as the ``quantization_config`` of a model that has
+none; its ``quant_method`` is a sentence naming kha_compile and ``kc.load_pretrained``. It is
+dropped with the ``kha_compile`` entry, and never replaces a real quantization config. Tools that
+refuse unknown quantization methods (serving engines) then refuse such a directory instead of
+serving it without its transforms; fold first (``kc.fold``) to ship a vanilla model.
 """
 
 from __future__ import annotations
@@ -24,12 +36,33 @@ from ..model.carrier import kha_modules
 from ..model.config import KHAConfig, config_of
 from .names import canonical_name, is_kha_key
 
-__all__ = ["CONFIG_KEY", "is_hf_dir", "read_hf", "record_config"]
+__all__ = [
+    "CONFIG_KEY",
+    "HINT_KEY",
+    "LOAD_HINT",
+    "hf_model_dir",
+    "is_hf_dir",
+    "read_hf",
+    "record_config",
+    "records_kha",
+    "stored_kha_keys",
+]
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "kha_compile"
+HINT_KEY = "quantization_config"  # the one config.json entry transformers warns about with its value
+LOAD_HINT = {
+    "quant_method": (
+        "kha_compile (not a quantization method): this checkpoint holds trained KHA (knocking-heads attention) "
+        "transforms that transformers alone does not load, so the loaded model computes something other than "
+        "the trained one. Load them with `import kha_compile as kc; kc.load_pretrained(model, directory)`, "
+        "directory being the one just loaded. Do not delete this entry; to ship a vanilla model, "
+        "kc.fold(model) before save_pretrained"
+    ),
+}
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_ST_MODULES = "modules.json"
 
 
 def _hf_config(model: nn.Module) -> object | None:
@@ -48,15 +81,83 @@ def record_config(model: nn.Module) -> None:
     Example::
 
         record_config(model)
-        model.config.kha_compile        # {"version": 1, "q": None, "k": None, "v": "mlp"}
+        model.config.kha_compile        # {"version": 2, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
+        model.config.quantization_config["quant_method"]    # "kha_compile (not a quantization method): ..."
     """
     cfg = _hf_config(model)
     if cfg is None:
         return
+    hint = getattr(cfg, HINT_KEY, None)
     if kha_modules(model):
         setattr(cfg, CONFIG_KEY, config_of(model))
-    elif hasattr(cfg, CONFIG_KEY):
+        if hint is None or _is_hint(hint):  # a real quantization config stays as it is
+            setattr(cfg, HINT_KEY, dict(LOAD_HINT))
+        return
+    if hasattr(cfg, CONFIG_KEY):
         delattr(cfg, CONFIG_KEY)
+    if _is_hint(hint):
+        delattr(cfg, HINT_KEY)
+
+
+def _is_hint(value: object) -> bool:
+    """True for kha_compile's :data:`LOAD_HINT` (as set, or as read back from a config.json)."""
+    return isinstance(value, dict) and str(value.get("quant_method", "")).startswith(CONFIG_KEY)
+
+
+def hf_model_dir(directory: pathlib.Path) -> pathlib.Path:
+    """The folder of the transformers model in ``directory``: its Transformer module's for a
+    sentence-transformers directory (``modules.json``), else ``directory`` itself.
+
+    Example::
+
+        hf_model_dir(pathlib.Path("st_out"))     # st_out (st.save puts module 0 at the top), or st_out/0_Transformer
+    """
+    modules = directory / _ST_MODULES
+    if not modules.is_file():
+        return directory
+    try:
+        entries = json.loads(modules.read_text())
+    except (OSError, json.JSONDecodeError):
+        return directory
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and str(entry.get("type", "")).endswith("Transformer"):
+            return directory / str(entry.get("path", ""))
+    return directory
+
+
+def records_kha(directory: pathlib.Path) -> bool:
+    """True when the transformers config in ``directory`` (see :func:`hf_model_dir`) has a ``kha_compile`` entry.
+
+    Example::
+
+        records_kha(pathlib.Path("out"))      # True after model.save_pretrained("out") of a KHA model
+    """
+    try:
+        data = json.loads((hf_model_dir(directory) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and CONFIG_KEY in data  # a malformed entry: read_hf says what is wrong
+
+
+def stored_kha_keys(directory: pathlib.Path) -> list[str]:
+    """The names of the ``.kha.`` tensors in the weight files of ``directory`` (read from the headers only).
+
+    Example::
+
+        stored_kha_keys(pathlib.Path("out"))     # ["model.layers.0.self_attn.v_proj.kha.v.up", ...]
+    """
+    directory = hf_model_dir(directory)
+    try:
+        if (directory / _INDEX).is_file():
+            keys = list(json.loads((directory / _INDEX).read_text()).get("weight_map", {}))
+        elif (directory / _SINGLE).is_file():
+            with safe_open(str(directory / _SINGLE), framework="pt") as f:
+                keys = list(f.keys())
+        else:
+            return []
+    except Exception:  # an unreadable file holds no KHA we could load; read_hf says why when asked
+        return []
+    return sorted(k for k in keys if is_kha_key(k))
 
 
 def is_hf_dir(directory: pathlib.Path) -> bool:

@@ -35,9 +35,9 @@ def test_export_creates_a_missing_directory_and_says_so(capsys, tmp_path, monkey
     pytest.importorskip("onnx")
     import logging
 
-    import kha_compile.exporters.onnx as onnx_exporter
+    import kha_compile.cli.commands.export as export_command  # the name the command calls
 
-    monkeypatch.setattr(onnx_exporter, "export_onnx", _identity_onnx)
+    monkeypatch.setattr(export_command, "export_onnx", _identity_onnx)
     path = tmp_path / "new" / "deeper" / "model.onnx"
     with caplog.at_level(logging.INFO, logger="kha_compile"):  # -v: the command logs at INFO
         code, out, _ = run(capsys, "-v", "export", "tiny-llama", str(path), "--no-check")
@@ -51,9 +51,9 @@ def test_export_creates_a_missing_directory_and_says_so(capsys, tmp_path, monkey
 
 def test_export_under_a_file_is_refused(capsys, tmp_path, monkeypatch):
     pytest.importorskip("onnx")
-    import kha_compile.exporters.onnx as onnx_exporter
+    import kha_compile.cli.commands.export as export_command  # the name the command calls
 
-    monkeypatch.setattr(onnx_exporter, "export_onnx", _identity_onnx)
+    monkeypatch.setattr(export_command, "export_onnx", _identity_onnx)
     (tmp_path / "file").write_text("x")
     code, _, err = run(capsys, "export", "tiny-llama", str(tmp_path / "file" / "model.onnx"), "--no-check")
     assert code == 2 and "exists and is not a directory" in " ".join(err.split())  # rich wraps long lines

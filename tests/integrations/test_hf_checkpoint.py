@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import kha_compile as kc
-from helpers import kha_params, perturb
+from helpers import kha_params, perturb, run_python
 from kha_compile.cli import tiny
+from kha_compile.store.hf import LOAD_HINT
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM
@@ -27,7 +28,7 @@ def _trained():
 
 def test_config_records_kha_and_fold_drops_it():
     model = tiny.make("tiny-llama")
-    assert not hasattr(model.config, "kha_compile")
+    assert not hasattr(model.config, "kha_compile") and not hasattr(model.config, "quantization_config")
     kc.apply(model, kc.KHAConfig(q="linear", v="linear"))
     assert model.config.kha_compile == {
         "version": model.config.kha_compile["version"],
@@ -36,12 +37,54 @@ def test_config_records_kha_and_fold_drops_it():
         "v": "linear",
         "strategy": "auto",
     }
+    assert model.config.quantization_config == LOAD_HINT  # what plain transformers warns with
     assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
     kc.fold(model)
     assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
+    assert not hasattr(model.config, "quantization_config")
     kc.apply(model, CFG)
     kc.remove(model)
-    assert not hasattr(model.config, "kha_compile")
+    assert not hasattr(model.config, "kha_compile") and not hasattr(model.config, "quantization_config")
+
+
+def test_a_real_quantization_config_is_never_replaced_by_the_hint():
+    model = tiny.make("tiny-llama")
+    real = {"quant_method": "bitsandbytes_4bit", "load_in_4bit": True}
+    model.config.quantization_config = real
+    kc.apply(model, kc.KHAConfig(v="linear"))
+    assert model.config.quantization_config is real
+    kc.fold(model)
+    assert model.config.quantization_config is real
+
+
+def test_plain_from_pretrained_warns_with_the_call_to_use_and_still_loads(tmp_path):
+    _trained().save_pretrained(tmp_path / "d")
+    base = tiny.make("tiny-llama")  # the same weights without KHA: what a plain load must give
+    torch.save({"ids": IDS, "logits": base(input_ids=IDS).logits.detach()}, tmp_path / "want.pt")
+    script = f"""
+import logging, sys
+sys.modules["kha_compile"] = None  # kha_compile cannot be imported in this process
+try:
+    import kha_compile
+    raise SystemExit("kha_compile importable")
+except ImportError:
+    pass
+import torch, transformers
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append((record.levelname, record.getMessage()))
+transformers.logging.get_logger().addHandler(Keep())
+model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / "d")!r}).eval()
+want = torch.load({str(tmp_path / "want.pt")!r})
+with torch.no_grad():
+    assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])  # plain loading is unchanged
+assert getattr(model, "hf_quantizer", None) is None
+hint = [m for lvl, m in seen if lvl == "WARNING" and "kha_compile" in m and "kc.load_pretrained(model, directory)" in m]
+print("HINT" if hint else "NO HINT: " + repr(seen))
+"""
+    out = run_python(script, "HINT")
+    assert "NO HINT" not in out
 
 
 @pytest.mark.parametrize("shard", [None, "20KB"])

@@ -97,3 +97,47 @@ def test_misfit_lists_missing_unexpected_and_wrong_shapes():
 def test_save_without_kha_says_to_apply_first(tmp_path):
     with pytest.raises(NoKHATransformsError, match=r"call kc.apply"):
         kc.save_pretrained(_llama(1), tmp_path / "x")
+
+
+class _Wrapper(torch.nn.Module):
+    """A model around a transformers model (as a SentenceTransformer is): its KHA names carry the prefix ``lm.``."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(ids).logits
+
+
+def test_names_under_a_wrapper_prefix_load_both_ways(tmp_path):
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    trained = kc.apply(_llama(2), kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    perturb(trained)
+    with torch.no_grad():
+        want = trained(ids).logits
+    kc.save_pretrained(trained, tmp_path / "bare")  # model.layers.0...
+    wrapped = kc.load_pretrained(_Wrapper(_llama(2)), tmp_path / "bare", example_args=(ids,))
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids), want)
+    kc.save_pretrained(wrapped, tmp_path / "wrapped")  # lm.model.layers.0...
+    assert all(
+        k.startswith("lm.") for k in json.loads((tmp_path / "wrapped" / "kha_config.json").read_text())["tensors"]
+    )
+    bare = kc.load_pretrained(_llama(2), tmp_path / "wrapped")
+    with torch.no_grad():
+        assert torch.equal(bare(ids).logits, want)
+
+
+def test_align_names_maps_only_a_whole_prefix():
+    from kha_compile.store.names import align_names
+
+    model = {"0.model.a.kha.q.weight", "0.model.b.kha.v.up"}
+    assert align_names(model, {"a.kha.q.weight", "b.kha.v.up"}) == {
+        "a.kha.q.weight": "0.model.a.kha.q.weight",
+        "b.kha.v.up": "0.model.b.kha.v.up",
+    }
+    assert align_names({"a.kha.q.weight"}, {"x.a.kha.q.weight"}) == {"x.a.kha.q.weight": "a.kha.q.weight"}
+    assert align_names(model, {"a.kha.q.weight", "c.kha.v.up"}) is None  # not one prefix for all
+    assert align_names(model, {"a.kha.q.weight"}) is None  # a missing tensor is a misfit, not a rename
+    assert align_names(model, {"odel.a.kha.q.weight", "odel.b.kha.v.up"}) is None  # prefixes end at a dot

@@ -18,7 +18,7 @@ import kha_compile as kc
 from ...analysis.inputs import example_inputs
 from ...core.errors import CommandError
 from ...exporters.onnx import export_onnx, onnx_summary
-from ..models import MODEL_HELP, export_target, load_with_kha
+from ..models import MODEL_HELP, export_target, kha_param_count, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
 from ..ui import UI, fmt_diff, kv_table, ok_mark
 
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     s = onnx_summary(out)
     rows = [
         ("file", f"{out} ({out.stat().st_size / 2**20:.2f} MiB)"),
+        ("KHA parameters exported", f"{kha_param_count(target):,}"),
         ("opset", str(s.opset)),
         ("nodes", str(s.num_nodes)),
         ("kha::MLPValue nodes", str(s.num_custom_nodes)),
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     rows += [(f"input {i.name}", f"{i.dtype}{list(i.dims)}") for i in s.inputs]
     rows += [(f"output {o.name}", f"{o.dtype}{list(o.dims)}") for o in s.outputs]
     status = 0
-    if not args.no_check:
+    if not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
         ex_args, ex_kwargs = example_inputs(target)
         with ui.step("compare onnxruntime with torch on the example inputs"):
             with torch.no_grad():

@@ -13,7 +13,8 @@ import kha_compile as kc
 
 from ...analysis.inputs import example_inputs
 from ...core.errors import CommandError, FoldError
-from ..models import MODEL_HELP, kha_leftovers, load_with_kha
+from ...store.hf import CONFIG_KEY
+from ..models import MODEL_HELP, kha_leftovers, load_with_kha, recorded_kha
 from ..ort import FOLD_TOL, first_tensor, max_diff
 from ..ui import UI, fmt_diff, kv_table
 
@@ -31,11 +32,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
         parents=[common],
         allow_abbrev=False,
         help="fold a linear KHA checkpoint into a vanilla model",
-        description="Load MODEL and the KHA checkpoint, fold every linear transform into the "
-        "weights and save the vanilla model with save_pretrained.",
+        description="Load MODEL and its KHA (the checkpoint --kha, or the KHA its directory records), fold "
+        "every linear transform into the weights and save the vanilla model with save_pretrained.",
     )
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--kha", required=True, metavar="DIR", help="KHA checkpoint (from apply / save_pretrained)")
+    p.add_argument(
+        "--kha",
+        metavar="DIR",
+        help="KHA checkpoint (from apply / kc.save_pretrained); not needed when MODEL is a directory that records "
+        "its KHA (model.save_pretrained after kc.apply)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output model directory")
     p.set_defaults(func=run)
     return p
@@ -44,6 +50,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
 def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile fold``."""
 
+    if not args.kha and recorded_kha(args.model) is None:
+        raise CommandError(
+            f"nothing to fold: {args.model!r} records no KHA (no {CONFIG_KEY!r} entry in a config.json) and "
+            "--kha is not given. Pass the KHA checkpoint with --kha DIR, or a directory written by "
+            "model.save_pretrained after kc.apply."
+        )
     model, name = load_with_kha(args.model, args.kha, ui)
     ex_args, ex_kwargs = example_inputs(model)
     with torch.no_grad():

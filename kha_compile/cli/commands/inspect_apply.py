@@ -9,7 +9,8 @@ from typing import Any
 
 import kha_compile as kc
 
-from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha
+from ...core.errors import CommandError
+from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha, recorded_kha
 from ..ui import UI, report_table
 
 __all__ = ["NAME", "kind_choice", "register", "run_apply", "run_inspect"]
@@ -86,6 +87,11 @@ def run_apply(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile apply``."""
 
     cfg = config_from(args.q, args.k, args.v)  # validate before loading anything
+    if recorded_kha(args.model) is not None:
+        raise CommandError(
+            f"{args.model!r} already records trained KHA (the 'kha_compile' entry of its config.json); apply "
+            "inserts KHA once. Inspect, export or fold it as it is, or start from the model without KHA."
+        )
     model, name = load_with_kha(args.model, None, ui)
     with ui.step(f"apply {cfg}"):
         kc.apply(model, cfg)

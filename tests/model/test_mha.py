@@ -1,0 +1,184 @@
+"""kha_compile/model/mha.py: ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` with KHA are
+bit-exact at init against the untouched model, also when fed permuted (non-contiguous) inputs.
+
+The reference is a deep copy taken before ``kc.apply`` and run in the same grad mode. Linear KHA
+keeps torch's own forward (fast paths included) on the folded in-projection, so it must equal the
+untouched model as it runs by default. MLP-value cannot fold, so it keeps the fast paths off and
+runs the regular path: it must equal the untouched model with the fast path switched off
+(``torch.backends.mha.set_fastpath_enabled(False)``), bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kha_compile as kc
+
+LINEAR = kc.KHAConfig(q="linear", k="linear", v="linear")
+CONFIGS = {"linear": LINEAR, "v-linear": kc.KHAConfig(v="linear"), "mlp": kc.KHAConfig(v="mlp")}
+# (batch, tokens, d_model, heads): fewer tokens than d_model (token-side "auto"), and more (weight-side)
+SHAPES = [(2, 5, 32, 4), (3, 40, 16, 2)]
+
+
+def _non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the same shape and values, laid out transposed in memory."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+class PermutedAttention(nn.Module):
+    """Attention over ``x`` (B, L, E) fed to ``nn.MultiheadAttention`` through layout ops.
+
+    ``mode``: "self" passes one permuted tensor as q, k and v (``query is key is value``); "self3"
+    permutes ``x`` three separate times (equal tensors, distinct objects); "cross" attends to ``mem``.
+    """
+
+    def __init__(self, E: int, H: int, batch_first: bool, mode: str):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first)
+        self.batch_first, self.mode = batch_first, mode
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        if self.batch_first:  # (B, L, E), non-contiguous
+            one, again, src = _non_contiguous, _non_contiguous, _non_contiguous(mem)
+        else:  # (L, B, E), permuted views
+            one, again, src = (lambda t: t.permute(1, 0, 2)), (lambda t: t.transpose(0, 1)), mem.permute(1, 0, 2)
+        if self.mode == "self":
+            q = k = v = one(x)
+        elif self.mode == "self3":
+            q, k, v = one(x), one(x), again(x)
+        else:
+            q, k, v = one(x), src, src
+        return self.attn(q, k, v)[0]
+
+
+class PermutedEncoderLayer(nn.Module):
+    """``nn.TransformerEncoderLayer`` fed ``x`` (B, L, E) non-contiguous (batch_first) or permuted."""
+
+    def __init__(self, E: int, H: int, batch_first: bool, norm_first: bool):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            E, H, 2 * E, dropout=0.0, batch_first=batch_first, norm_first=norm_first
+        )
+        self.batch_first = batch_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(_non_contiguous(x) if self.batch_first else x.permute(1, 0, 2))
+
+
+@contextlib.contextmanager
+def _fast_path(enabled: bool):
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _assert_identity_exact(ref: nn.Module, model: nn.Module, args: tuple, cfg_name: str) -> None:
+    """Under grad and under no_grad, ``model`` (KHA at init) equals ``ref`` (untouched) bit for bit."""
+    foldable = cfg_name != "mlp"
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            got = model(*args)
+            with _fast_path(foldable):  # MLP-value runs the regular path: compare with the regular path
+                want = ref(*args)
+        diff = (got - want).abs().max().item()
+        assert torch.equal(got, want), f"grad={grad}: max |KHA - untouched| = {diff:.3g}"
+
+
+CASES = list(itertools.product([True, False], ["self", "self3", "cross"], SHAPES, CONFIGS))
+
+
+def _id(value: object) -> str:
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+@pytest.mark.parametrize("batch_first,mode,shape,cfg_name", CASES, ids=_id)
+def test_multihead_attention_is_bit_exact_at_init_on_permuted_inputs(batch_first, mode, shape, cfg_name):
+    B, L, E, H = shape
+    torch.manual_seed(0)
+    model = PermutedAttention(E, H, batch_first, mode).eval()
+    x, mem = torch.randn(B, L, E), torch.randn(B, L + 3, E)
+    ref = copy.deepcopy(model)
+    kc.apply(model, CONFIGS[cfg_name], example_args=(x, mem))
+    assert type(model.attn).__name__ == "KHAMultiheadAttention"
+    _assert_identity_exact(ref, model, (x, mem), cfg_name)
+
+
+@pytest.mark.parametrize(
+    "batch_first,norm_first,shape,cfg_name",
+    list(itertools.product([True, False], [False, True], SHAPES, ["linear", "mlp"])),
+    ids=_id,
+)
+def test_transformer_encoder_layer_is_bit_exact_at_init_on_permuted_inputs(batch_first, norm_first, shape, cfg_name):
+    B, L, E, H = shape
+    torch.manual_seed(0)
+    model = PermutedEncoderLayer(E, H, batch_first, norm_first).eval()
+    x = torch.randn(B, L, E)
+    ref = copy.deepcopy(model)
+    kc.apply(model, CONFIGS[cfg_name], example_args=(x,))
+    _assert_identity_exact(ref, model, (x,), cfg_name)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_one_tensor_as_query_key_and_value_keeps_one_packed_in_projection(batch_first, monkeypatch):
+    """``query is key is value`` survives the token-side path: one in-projection GEMM, as torch does."""
+    E, H = 32, 4
+    torch.manual_seed(0)
+    model = PermutedAttention(E, H, batch_first, "self").eval()
+    x, mem = torch.randn(2, 5, E), torch.randn(2, 5, E)
+    ref = copy.deepcopy(model)
+    kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x, mem))
+    calls: list[tuple[int, ...]] = []
+    real = F.linear
+
+    def spy(inp, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return real(inp, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)  # F._in_projection_packed and the out-projection call it
+    ref(x, mem)
+    want, calls[:] = list(calls), []
+    model(x, mem)
+    assert calls == want == [(3 * E, E), (E, E)]  # one packed q/k/v GEMM, then the out-projection
+
+
+@pytest.mark.parametrize("mode,kind", [("self", "mha"), ("self3", "mha"), ("cross", "cross")])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_permuted_self_attention_is_classified_self_attention(mode, kind, batch_first):
+    x, mem = torch.randn(2, 5, 32), torch.randn(2, 8, 32)
+    site = kc.inspect(PermutedAttention(32, 4, batch_first, mode), example_args=(x, mem)).sites[0]
+    assert site.status == "matched" and site.kind == kind and site.num_heads == 4
+
+
+@pytest.mark.slow  # a second interpreter: ~30 s
+def test_bit_exact_identity_holds_on_avx2_kernels_too():
+    """The same checks on the AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), as an AVX2-only machine runs them."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "bit_exact_at_init"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert probe.stdout.strip() == "AVX2"
