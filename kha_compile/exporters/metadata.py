@@ -5,7 +5,7 @@ key                         value
 ==========================  ==========================================================================
 ``kha_compile.version``     the library version that wrote the file
 ``kha_compile.kha``         ``"none"`` (the model carries no KHA) or ``"applied"``
-``kha_compile.model.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
+``kha_compile.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
 ``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
                             ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
 ``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights
@@ -45,7 +45,7 @@ def kha_metadata(model: nn.Module, args: tuple, kwargs: dict, folded: bool) -> d
 
     Example::
 
-        kha_metadata(model, (), {"input_ids": ids}, folded=True)["kha_compile.model.config"]
+        kha_metadata(model, (), {"input_ids": ids}, folded=True)["kha_compile.config"]
     """
     has_kha = bool(kha_modules(model))
     config: dict[str, Any] | None = config_of(model) if has_kha else None

@@ -5,7 +5,7 @@ key                         value
 ==========================  ==========================================================================
 ``kha_compile.version``     the library version that wrote the file
 ``kha_compile.kha``         ``"none"`` (the model carries no KHA) or ``"applied"``
-``kha_compile.model.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
+``kha_compile.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
 ``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
                             ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
 ``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights

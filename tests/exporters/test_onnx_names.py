@@ -94,7 +94,7 @@ def test_metadata_records_config_sites_and_version(llama):
     model = onnx.load(str(path), load_external_data=False)
     props = {p.key: p.value for p in model.metadata_props}
     assert set(METADATA_KEYS) <= set(props)
-    for key in ("kha_compile.model.config", "kha_compile.sites", "kha_compile.folded"):
+    for key in ("kha_compile.config", "kha_compile.sites", "kha_compile.folded"):
         json.loads(props[key])  # each one parses alone
     meta = read_kha_metadata(path)
     assert meta == read_kha_metadata(model)  # path or loaded model
