@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from torch import fx, nn
 
 from ..core.errors import BackendOptionError, DeployError, KHAError
 from .deploy import DeployPlan
-from .graph import BackendOptions, GraphContext, copy_graph, is_mlp_value_op, touches_kha
+from .graph import BackendOptions, GraphContext, copy_graph, is_mlp_value_op, param_names, touches_kha
 from .rules import RULES, Rule, RuleSetup
 from .runtime import Runner
 from .stats import BackendStats, GraphStats
@@ -31,31 +30,6 @@ NAME = "kha"
 COMPILERS = ("inductor", "eager")
 
 _Compiler = str | Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
-
-
-def _compiled_root() -> nn.Module | None:
-    """The module given to ``torch.compile(module)``: the innermost OptimizedModule call on the stack.
-
-    Only the frames of ``OptimizedModule.__call__`` and ``nn.Module``'s call wrappers are looked at,
-    and only their ``self``.
-    """
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover
-        return None
-    codes = {
-        getattr(fn, "__code__", None)
-        for fn in (OptimizedModule.__call__, nn.Module._call_impl, getattr(nn.Module, "_wrapped_call_impl", None))
-    }
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code in codes:
-            obj = f.f_locals.get("self")
-            if isinstance(obj, OptimizedModule):
-                root = obj._orig_mod
-                return root if isinstance(root, nn.Module) else None
-        f = f.f_back  # type: ignore[assignment]
-    return None
 
 
 _SURFACED: dict[type, type] = {}
@@ -103,8 +77,10 @@ class KHABackend:
     - ``from_pretrained``: a ``kc.save_pretrained`` directory; deploy mode.
     - ``model``, ``example_args``, ``example_kwargs``: the model to deploy into, analysed and
       validated against the checkpoint right away (a misfit raises ``KHAError`` here, before any
-      compile). Without ``model`` the backend finds the module given to ``torch.compile`` and
-      validates when it compiles (the ``KHAError`` then surfaces from the first call).
+      compile). Without ``model`` the backend places the transforms where the checkpoint's
+      recorded plan says, finding each projection in the graph by its weight's name, and validates
+      when it compiles (the ``KHAError`` then surfaces from the first call). A checkpoint without a
+      plan (older kha_compile, or the model's own ``save_pretrained``) needs ``model``.
     - ``fold`` (True): fold linear KHA into the projections when gradients are off.
     - ``fuse_mlp`` (True): rewrite the decomposed MLP-value form into ``kha::mlp_value``.
     - ``compiler`` ("inductor"): "inductor", "eager" (run the rewritten graph as is) or a backend callable.
@@ -145,15 +121,18 @@ class KHABackend:
         self.compiler = compiler
         self.stats = BackendStats()
         self._deploy = (
-            DeployPlan(from_pretrained, example_args, example_kwargs) if from_pretrained is not None else None
+            DeployPlan(from_pretrained, example_args, example_kwargs, model_given=model is not None)
+            if from_pretrained is not None
+            else None
         )
         self._model = weakref.ref(model) if model is not None else None
-        self._quiet: set[int | None] = set()
+        self._placed: set[str] = set()  # deploy mode: projections placed so far, over all graphs
+        self._quiet: set[tuple[str, ...]] = set()  # the graphs already reported as having no KHA, by parameter names
         if model is not None and self._deploy is not None:
             self._deploy.entries(model)  # validate now: a misfit raises before anything compiles
 
     def reset(self) -> None:
-        """Forget the stats and which models were already reported as having no KHA."""
+        """Forget the stats and which graphs were already reported as having no KHA."""
         self.stats = BackendStats()
         self._quiet.clear()
 
@@ -172,39 +151,44 @@ class KHABackend:
         except KHAError as exc:
             raise _surface(exc) from None
 
-    def _rules(self, root: nn.Module | None) -> list[Rule]:
+    def _rules(self) -> list[Rule]:
         entries = None
         if self._deploy is not None:
-            model = (self._model() if self._model is not None else None) or root
-            if model is None:
-                raise DeployError(
-                    "deploy: cannot tell which model is being compiled (torch.compile of a "
-                    "function?); pass it: kc.backend(from_pretrained=..., model=model)."
-                )
-            entries = self._deploy.entries(model)
-        setup = RuleSetup(self.options, entries)
+            if self._model is None:
+                entries = self._deploy.planned()
+            else:
+                model = self._model()
+                if model is None:
+                    raise DeployError(
+                        "deploy: the model given to kc.backend(from_pretrained=..., model=model) no longer "
+                        "exists; make a new backend for the model you compile."
+                    )
+                entries = self._deploy.entries(model)
+        directory = self._deploy.directory if self._deploy is not None else ""
+        setup = RuleSetup(self.options, entries, directory, self._placed)
         return [rule for cls in RULES if (rule := cls.create(setup)) is not None]
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        root = _compiled_root()
         original, gm = gm, copy_graph(gm)  # Dynamo keeps using the graph it passed (its placeholders)
         stats = GraphStats(len(self.stats.graphs))
         self.stats.graphs.append(stats)
         ctx = GraphContext(gm, example_inputs, stats, self.options)
         had_kha = any(touches_kha(n) for n in gm.graph.nodes)
-        for rule in self._rules(root):
+        for rule in self._rules():
             rule.run(ctx)
         stats.mlp_value_ops = sum(_mlp_value_ops(n) for n in gm.graph.nodes)
         stats.has_kha = had_kha or any(stats.rewrites.values()) or stats.mlp_value_ops > 0
         if not stats.has_kha:
-            key = id(root) if root is not None else None
-            if key not in self._quiet:
-                self._quiet.add(key)
-                log.info(
-                    "kha backend: no KHA transforms in %s; compiling it unchanged with %s",
-                    type(root).__name__ if root is not None else "this graph",
-                    self._compiler_name(),
-                )
+            # once per backend and model: graphs over the same parameters (recompiles, other shapes) stay quiet
+            key = tuple(sorted(param_names(original).values()))
+            log.log(
+                logging.DEBUG if key in self._quiet else logging.INFO,
+                "kha backend: no KHA transforms in graph %d (%d parameters); compiling it unchanged with %s",
+                stats.index,
+                len(key),
+                self._compiler_name(),
+            )
+            self._quiet.add(key)
             return self._inner(original, list(example_inputs))
         gm.graph.lint()
         gm.recompile()
@@ -219,8 +203,8 @@ class KHABackend:
             len(stats.declined),
         )
         compiled = self._inner(gm, ctx.example_inputs)
-        if ctx.recipes:
-            return Runner(compiled, ctx.recipes, gm)
+        if ctx.constants:
+            return Runner(compiled, ctx.constants, ctx.switches)
         return compiled
 
     def _compiler_name(self) -> str:

@@ -1,13 +1,22 @@
-"""The graph being rewritten: FX predicates, the real tensors behind its inputs, node insertion.
+"""The graph being rewritten: FX predicates, the real tensors behind its inputs and their names, node insertion.
 
 The rules work on a copy of the Dynamo graph (:func:`copy_graph`): Dynamo keeps using the
 placeholders of the graph it passed after the backend returns.
+
+A parameter's name comes from the graph, not from the module: Dynamo records where each
+placeholder's value came from (``node.meta["grapharg"].source``, e.g.
+``L['self']._modules['model']._modules['layers']._modules['0']._parameters['weight']``), and
+:func:`param_names` reads the module path off that chain (``model.layers.0.weight``), relative to
+whatever object holds the model (``self``, an argument, a global or a closure). ``get_attr`` nodes
+are named by ``gm.meta["dynamo_flat_name_to_original_fqn"]``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +28,7 @@ from ..model.carrier import KHAProjection
 from ..model.mha import KHAMultiheadAttention
 from ..model.parametrized import KHAFunctional
 from ..model.transforms import transform_kinds
-from .runtime import Recipe, Source, attribute
+from .runtime import Lookup, Source, Switch, attribute
 from .stats import GraphStats
 
 __all__ = [
@@ -34,10 +43,10 @@ __all__ = [
     "concrete",
     "copy_graph",
     "erase_dead",
-    "inside",
     "is_call",
     "is_matmul",
     "is_mlp_value_op",
+    "param_names",
     "touches_kha",
 ]
 
@@ -74,15 +83,6 @@ def _module_types(node: fx.Node) -> list[Any]:
     return [v[1] for v in stack.values() if isinstance(v, tuple) and len(v) >= 2]
 
 
-def inside(node: fx.Node, cls: type) -> bool:
-    """Whether ``node`` was traced inside a module of class ``cls`` (innermost module)."""
-    types_ = _module_types(node)
-    if not types_:
-        return False
-    top = types_[-1]
-    return (isinstance(top, type) and issubclass(top, cls)) or (isinstance(top, str) and top.endswith(cls.__name__))
-
-
 def kha_classes() -> tuple[type, ...]:
     """Classes whose presence in a node's module stack means the graph carries KHA: the carriers and
     every registered transform kind's module."""
@@ -94,6 +94,53 @@ def touches_kha(node: fx.Node) -> bool:
     """Whether ``node`` is a KHA op or was traced inside a KHA module."""
     classes = kha_classes()
     return is_mlp_value_op(node) or any(isinstance(t, type) and issubclass(t, classes) for t in _module_types(node))
+
+
+_TAIL = re.compile(r"\._(modules|parameters|buffers)\[(['\"])([^'\"\]]+)\2\]$")
+
+
+def source_path(name: str) -> str | None:
+    """The module path a Dynamo source name ends in: ``X._modules['a']._parameters['w']`` -> ``"a.w"``.
+
+    None when the name does not end in a parameter or buffer reached through ``_modules``.
+
+    Example::
+
+        source_path("L['self']._modules['q_proj']._parameters['weight']")      # "q_proj.weight"
+    """
+    parts: list[str] = []
+    rest = name
+    while True:
+        m = _TAIL.search(rest)
+        if m is None:
+            break
+        if (m.group(1) == "modules") != bool(parts):  # the leaf first, then only modules above it
+            break
+        parts.append(m.group(3))
+        rest = rest[: m.start()]
+    return ".".join(reversed(parts)) if parts else None
+
+
+def param_names(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The path of every graph input that is a module's parameter or buffer (``"model.layers.0.q_proj.weight"``).
+
+    Read from the source Dynamo recorded for each placeholder, or ``gm.meta["dynamo_flat_name_to_original_fqn"]``
+    for ``get_attr`` nodes; inputs that are not parameters are left out.
+    """
+    flat = gm.meta.get("dynamo_flat_name_to_original_fqn") or {}
+    out: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        path: str | None = None
+        if node.op == "placeholder":
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = getattr(source, "name", None)
+            name = name() if callable(name) else name
+            path = source_path(name) if isinstance(name, str) else None
+        elif node.op == "get_attr" and isinstance(node.target, str):
+            path = flat.get(node.target)
+        if path is not None:
+            out[node] = path
+    return out
 
 
 def concrete(value: Any) -> Any:
@@ -121,7 +168,7 @@ def _fake_mode(example_inputs: Sequence[Any]) -> Any:
 
 
 class GraphContext:
-    """One graph being rewritten: the real tensors behind its inputs and the extra inputs added."""
+    """One graph being rewritten: the real tensors behind its inputs, their names and the constant inputs added."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], stats: GraphStats, options: BackendOptions):
         self.gm, self.graph = gm, gm.graph
@@ -131,7 +178,9 @@ class GraphContext:
         self.grad_enabled = torch.is_grad_enabled()
         self.placeholders = list(self.graph.find_nodes(op="placeholder"))
         self._index = {n: i for i, n in enumerate(self.placeholders)}
-        self.recipes: list[Recipe] = []
+        self.names = param_names(gm)  # graph input -> parameter path
+        self.constants: list[Tensor] = []  # appended to every call's arguments (runtime.Runner)
+        self.switches: list[Switch] = []  # constants tied to the weight they were made for
         self._last_input: fx.Node | None = self.placeholders[-1] if self.placeholders else None
         self._fake_mode = _fake_mode(example_inputs)
 
@@ -165,12 +214,11 @@ class GraphContext:
             return t
         return node.meta.get("example_value") if isinstance(node, fx.Node) else node
 
-    def add_inputs(self, recipe: Recipe, name: str) -> list[fx.Node]:
-        """Append graph inputs computed at run time by ``recipe``; returns their placeholder nodes."""
-        self.recipes.append(recipe)
-        values = recipe.compute(self.tensor)
+    def add_constants(self, tensors: Sequence[Tensor], name: str) -> list[fx.Node]:
+        """Append graph inputs that hold ``tensors`` on every call (backend-owned constants, never a
+        parameter); returns their placeholder nodes."""
         nodes = []
-        for j, v in enumerate(values):
+        for j, v in enumerate(tensors):
             if self._last_input is None:
                 with self.graph.inserting_before(next(iter(self.graph.nodes))):
                     node = self.graph.placeholder(f"{name}_{j}")
@@ -183,7 +231,18 @@ class GraphContext:
                     node.meta["example_value"] = self._fake_mode.from_tensor(v)
             nodes.append(node)
             self.example_inputs.append(v)
+            self.constants.append(v)
         return nodes
+
+    def tie(self, nodes: Sequence[fx.Node], weight: fx.Node, lookup: Lookup) -> None:
+        """Tie the constants of ``nodes`` (the last ones :meth:`add_constants` added) to the real tensor
+        behind graph input ``weight``: a call that passes another tensor there gets ``lookup(that tensor)``
+        instead (:class:`~kha_compile.backend.runtime.Switch`)."""
+        t = self.tensor_of(weight)
+        if not nodes or weight.op != "placeholder" or t is None:
+            return  # an attribute of the graph: always the same tensor
+        first = len(self.constants) - len(nodes)
+        self.switches.append(Switch(self._index[weight], weakref.ref(t), first, len(nodes), lookup))
 
     def call(self, target: Callable[..., Any], args: tuple[Any, ...], like: fx.Node | None = None) -> fx.Node:
         """Insert ``target(*args)`` at the current insertion point, with an example value when possible."""
@@ -217,11 +276,13 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), sharing its attributes."""
+    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta, its own meta), sharing its attributes."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
     out = graph.graph_copy(gm.graph, {})
     old_output = next(iter(reversed(gm.graph.nodes)))
     new_output = graph.output(out, type_expr=old_output.type)
     new_output.meta = dict(old_output.meta)
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)  # Dynamo's (dynamo_flat_name_to_original_fqn names get_attr inputs)
+    return copy

@@ -23,12 +23,14 @@ from ..model.slots import HeadSlot
 from .graph import LINEAR_FNS, MATMUL_FNS, GraphContext, concrete
 
 __all__ = [
+    "FoldCall",
     "Projection",
     "ProjectionKind",
     "features",
     "fold_fn",
     "is_view",
     "projection",
+    "same",
     "slot_of",
     "trace_back",
     "view_descendants",
@@ -255,3 +257,44 @@ def fold_fn(slots: Sequence[HeadSlot], out_axis: int) -> Callable[..., tuple[Ten
         return (w,) if b is None else (w, b.detach())
 
     return fn
+
+
+class FoldCall:
+    """Graph target ``(W, b, *params) -> (W', b')`` (``(W',)`` without bias): the fold as a node of the graph.
+
+    ``matrices[i] = (fn, n)``: slot ``i`` folds ``fn(*its n params)`` (a kind's ``fold_matrix_of``, or
+    the identity for a precomputed matrix). Being a node, the fold reads the live parameters on
+    every call; nothing is cached (see :mod:`kha_compile.backend.runtime` for its cost).
+
+    Example::
+
+        fold = FoldCall([slot], 0, [(get_transform("linear").fold_matrix_of, 1)], "kha_fold_q_proj")
+        w2, b2 = fold(lin.weight, lin.bias, T)
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[HeadSlot],
+        out_axis: int,
+        matrices: Sequence[tuple[Callable[..., Tensor], int]],
+        name: str,
+    ):
+        self.slots = tuple(slots)
+        self.out_axis = out_axis
+        self.matrices = tuple(matrices)
+        self._fold = fold_fn(self.slots, out_axis)
+        self.__name__ = name  # how the generated graph code names it
+        self.__module__ = __name__
+
+    def __call__(self, weight: Tensor, bias: Tensor | None, *params: Tensor) -> tuple[Tensor, ...]:
+        it = iter(params)
+        ts = [fn(*(next(it) for _ in range(n))) for fn, n in self.matrices]
+        return self._fold(weight, bias, *ts)
+
+    def __repr__(self) -> str:
+        return f"FoldCall({self.__name__}, {len(self.slots)} slot(s))"
+
+
+def same(t: Tensor) -> Tensor:
+    """The identity: the fold matrix of a matrix that is already one."""
+    return t

@@ -15,8 +15,11 @@ from .transforms import get_transform, kind_of, transform_kinds
 
 __all__ = ["CONFIG_VERSION", "READABLE_VERSIONS", "KHAConfig", "allowed_kinds", "config_of"]
 
-CONFIG_VERSION = 2  # 2: adds ``strategy``; version 1 (no strategy) still loads, as strategy="auto"
-READABLE_VERSIONS = (1, 2)
+# 2: adds ``strategy`` (version 1 loads as strategy="auto"); 3: kha_config.json also records the insertion
+# plan (``plan``: per carrier, its path, handler, head slots, kinds and out features), which deploy mode
+# reads instead of analysing the model (versions 1 and 2, without a plan, still load)
+CONFIG_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def allowed_kinds(role: Role) -> tuple[str | None, ...]:
@@ -93,7 +96,7 @@ def config_of(model: nn.Module) -> dict[str, Any]:
 
     Example::
 
-        config_of(model)        # {"version": 2, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
+        config_of(model)        # {"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
     """
     roles: dict[str, str] = {}
     strategies: set[str] = set()

@@ -12,7 +12,7 @@ from torch import nn
 from ..core.errors import CheckpointError, NoKHATransformsError
 from ..model.config import config_of
 from ..store.distributed import gather_for_save, rank0_wrote, telling_other_ranks
-from ..store.format import checkpoint_misfit, kha_state, read_checkpoint, write_checkpoint
+from ..store.format import checkpoint_misfit, kha_plan, kha_state, read_checkpoint, write_checkpoint
 from ..store.names import align_names, canonical_name
 from .apply import apply, remove
 
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     """Save only the KHA weights (safetensors) and config (JSON with a version) to ``directory``.
+
+    The config also records where the transforms sit (the insertion plan), so deploy mode
+    (``kc.backend(from_pretrained=directory)``) needs no analysis of the model.
 
     Example::
 
@@ -42,7 +45,7 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
         rank0_wrote()  # raises CheckpointError if rank 0 could not write
         return directory
     with telling_other_ranks(sharded):  # sharded: rank 0 tells every rank whether the write succeeded
-        write_checkpoint(directory, tensors, config_of(model))
+        write_checkpoint(directory, tensors, dict(config_of(model), plan=kha_plan(model)))
     log.info("saved %d KHA tensors to %s", len(tensors), directory)
     return directory
 

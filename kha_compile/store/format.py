@@ -3,10 +3,20 @@
 :func:`write_checkpoint` writes a directory, :func:`read_checkpoint` reads and validates one fully
 (or a transformers directory that records KHA, :mod:`.hf`) before anything touches a model, and
 :func:`checkpoint_misfit` says what does not fit between a model and a checkpoint.
+
+Since config version 3, ``kha_config.json`` also records the insertion plan (:func:`kha_plan`, read
+back by :func:`read_plan`): per KHA carrier its module path, projection handler, head slots, kind
+per role and output features. Deploy mode (``kc.backend(from_pretrained=...)``) places the
+transforms from it without analysing the model. Example of one entry::
+
+    {"module": "model.layers.0.self_attn.v_proj", "handler": "linear", "out_features": 128,
+     "kinds": {"v": "mlp"},
+     "slots": [{"role": "v", "offset": 0, "num_heads": 8, "head_dim": 16, "head_stride": 16}]}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -17,11 +27,25 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.errors import CheckpointError, KHAError
+from ..core.kinds import ROLES
+from ..model.carrier import KHAProjection, carrier_state, handler_name, kha_modules, transforms_of
 from ..model.config import CONFIG_VERSION, KHAConfig
+from ..model.slots import HeadSlot
+from ..model.transforms import kind_of
 from .hf import hf_model_dir, is_hf_dir, read_hf
 from .names import canonical_name, is_kha_key
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "checkpoint_misfit", "kha_state", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "PlannedProjection",
+    "checkpoint_misfit",
+    "kha_plan",
+    "kha_state",
+    "read_checkpoint",
+    "read_plan",
+    "write_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +56,97 @@ CONFIG_NAME = "kha_config.json"
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The KHA tensors of ``model`` under canonical names (no PEFT ``base_model.model.`` / ``base_layer``)."""
     return {canonical_name(k): v for k, v in model.state_dict().items() if is_kha_key(k)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedProjection:
+    """One KHA carrier as a checkpoint records it: where it sits and what goes after its projection.
+
+    ``slots`` and ``out_features`` are empty / None for carriers whose projections are not a module's
+    own forward (``nn.MultiheadAttention`` in-projections, functional weights).
+    """
+
+    path: str  # module path, canonical (no PEFT wrapping)
+    handler: str | None  # the projection handler that attached it
+    slots: tuple[HeadSlot, ...]
+    kinds: dict[str, str]  # role -> transform kind
+    out_features: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.path,
+            "handler": self.handler,
+            "slots": [s.to_dict() for s in self.slots],
+            "kinds": dict(self.kinds),
+            "out_features": self.out_features,
+        }
+
+
+def _canonical_path(path: str) -> str:
+    return canonical_name(f"{path}.weight")[: -len(".weight")]
+
+
+def kha_plan(model: nn.Module) -> list[dict[str, Any]]:
+    """The insertion plan of ``model`` as it carries KHA now, as JSON-ready dicts (see the module docs).
+
+    Example::
+
+        kha_plan(model)[0]["module"]        # "model.layers.0.self_attn.v_proj"
+    """
+    out = []
+    for path, module in kha_modules(model):
+        kinds = {r: kind_of(t).name for r, t in transforms_of(module).items()}
+        slots: tuple[HeadSlot, ...] = ()
+        out_features: int | None = None
+        if isinstance(module, KHAProjection):
+            _, all_slots, out_features, _ = carrier_state(module)
+            slots = tuple(s for s in all_slots if s.role in kinds)
+        entry = PlannedProjection(_canonical_path(path), handler_name(module), slots, kinds, out_features)
+        out.append(entry.to_dict())
+    return out
+
+
+def _planned(item: Any) -> PlannedProjection:
+    if not isinstance(item, dict) or not isinstance(item.get("module"), str):
+        raise TypeError(f"a plan entry must be an object with a 'module' path, got {item!r}")
+    kinds = item.get("kinds")
+    if not isinstance(kinds, dict) or not all(r in ROLES and isinstance(k, str) for r, k in kinds.items()):
+        raise TypeError(f"{item['module']}: 'kinds' must map roles (q, k, v) to kind names, got {kinds!r}")
+    slots = []
+    for s in item.get("slots") or []:
+        fields = ("offset", "num_heads", "head_dim", "head_stride")
+        if not isinstance(s, dict) or s.get("role") not in kinds or not all(isinstance(s.get(f), int) for f in fields):
+            raise TypeError(f"{item['module']}: a head slot must give a planned role and {fields}, got {s!r}")
+        slots.append(HeadSlot(s["role"], *(int(s[f]) for f in fields)))
+    out_features = item.get("out_features")
+    if out_features is not None and not isinstance(out_features, int):
+        raise TypeError(f"{item['module']}: 'out_features' must be an integer, got {out_features!r}")
+    handler = item.get("handler")
+    return PlannedProjection(
+        item["module"], handler if isinstance(handler, str) else None, tuple(slots), dict(kinds), out_features
+    )
+
+
+def read_plan(directory) -> list[PlannedProjection] | None:
+    """The insertion plan a checkpoint records (config version 3), or None when it records none
+    (versions 1 and 2, or a transformers directory).
+
+    Raises :class:`CheckpointError` for a plan that does not parse.
+
+    Example::
+
+        [p.path for p in read_plan("kha_ckpt")]     # ["model.layers.0.self_attn.v_proj", ...]
+    """
+    cfg_path = pathlib.Path(directory) / CONFIG_NAME
+    if not cfg_path.is_file():
+        return None
+    try:
+        plan = json.loads(cfg_path.read_text()).get("plan")
+        return None if plan is None else [_planned(p) for p in plan]
+    except (json.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
+        raise CheckpointError(
+            f"{str(cfg_path)!r} records an invalid insertion plan ({exc}); re-save the checkpoint with kc.save_pretrained."
+        ) from exc
 
 
 def write_checkpoint(directory: pathlib.Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import zoo
 from helpers import perturb
 from kha_compile.core.errors import ExportError, ExportNamesError
 from kha_compile.exporters.onnx import METADATA_KEYS, onnx_summary, read_kha_metadata
+from kha_compile.model.config import CONFIG_VERSION
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -100,7 +101,7 @@ def test_metadata_records_config_sites_and_version(llama):
     assert meta == read_kha_metadata(model)  # path or loaded model
     assert meta["version"] == kc.__version__
     assert meta["kha"] == "applied" and meta["folded"] is True
-    assert meta["config"] == {"version": 2, "q": "linear", "k": None, "v": "mlp", "strategy": "auto"}
+    assert meta["config"] == {"version": CONFIG_VERSION, "q": "linear", "k": None, "v": "mlp", "strategy": "auto"}
     report = kc.inspect(case.model, *case.example)
     assert [s["name"] for s in meta["sites"]] == [s.name for s in report.matched]
     assert len(meta["sites"]) == case.num_sites

@@ -3,7 +3,7 @@
 - :class:`DeployKHA` (deploy mode only): inserts the transforms of a ``save_pretrained``
   checkpoint after the projection ops of a model that never saw :func:`kha_compile.apply`.
 - :class:`FuseMLPValue`: the hand-written KHA-MLP formula becomes one ``torch.ops.kha.mlp_value``.
-- :class:`FoldLinearKHA`: with gradients off, KHA-Linear ``x @ T`` is folded into the projection.
+- :class:`FoldLinearKHA`: with gradients off, every transform of a foldable kind is folded into the projection.
 
 A new rule is one new file here and one entry in :data:`RULES` (and its name in
 :data:`kha_compile.backend.stats.RuleName`).

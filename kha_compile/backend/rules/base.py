@@ -40,6 +40,8 @@ class RuleSetup:
 
     options: BackendOptions
     deploy_entries: Sequence[Any] | None = None  # deploy.DeployEntry list in deploy mode, else None
+    checkpoint: str = "the checkpoint"  # deploy mode: the checkpoint directory, for messages
+    placed: set[str] = dataclasses.field(default_factory=set)  # deploy mode: projections placed in earlier graphs
 
 
 class Rule:
