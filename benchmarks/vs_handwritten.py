@@ -254,7 +254,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     apply_threads(args)
-    torch._dynamo.config.cache_size_limit = 64  # many variants of one forward: no silent fall-back to eager
+    torch._dynamo.config.recompile_limit = 64  # many variants of one forward share its code object
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never a silent fall-back to eager
     modes, kinds = args.modes.split(","), args.configs.split(",")
     torch.manual_seed(0)
     base = Llama(SHAPE)

@@ -98,8 +98,9 @@ def _output_names(out: Any) -> list[str]:
 def _split_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], list[torch.Tensor], dict[str, Any]]:
     """The forward's tensor inputs (names, tensors) and the other inputs, which the package fixes."""
     name = type(model).__name__
+    signature = inspect.signature(model.forward)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as e:
         raise ExportError(
             f"AOTI export of {name}, step 'export': the example inputs do not fit its forward: {e}"
@@ -108,7 +109,7 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str
     tensors: list[torch.Tensor] = []
     consts: dict[str, Any] = {}
     for key, value in bound.arguments.items():
-        param = inspect.signature(model.forward).parameters[key]
+        param = signature.parameters[key]
         if param.kind is inspect.Parameter.VAR_KEYWORD:  # **kwargs of the forward: its items by name
             items = dict(value)
         elif param.kind is inspect.Parameter.VAR_POSITIONAL:
