@@ -21,7 +21,7 @@ same batches; each cell gives the median and the spread (the interquartile range
 Prints pass-made / hand-written and hand-written / no-KHA. Goal: every pass / hand ratio <= 1.00 on a quiet
 machine (the pass costs nothing over writing KHA by hand). The load average is printed: the machine is shared.
 
-    python benchmarks/vs_handwritten.py [--repeats 7] [--modes eager-train,eager-infer,compile-train,compile-infer]
+    python benchmarks/vs_handwritten.py [--repeats 5] [--modes eager-train,eager-infer,compile-train,compile-infer]
                                         [--threads 1] [--json benchmarks/results/vs_handwritten.json]
 """
 
@@ -247,7 +247,7 @@ def run_cell(mode: str, kind: str, models: dict[str, nn.Module], ids: torch.Tens
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     add_threads_arg(ap)
