@@ -84,8 +84,12 @@ class _FlatIO(nn.Module):
         self.model, self.names, self.consts = model, names, consts
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.model(**dict(zip(self.names, tensors)), **self.consts)
-        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return _tensors(self.model(**dict(zip(self.names, tensors)), **self.consts))
+
+
+def _tensors(out: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors of a model output (a tensor, tuple, dict or ModelOutput), flattened in order."""
+    return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def _output_names(out: Any) -> list[str]:
@@ -266,8 +270,9 @@ def export_aoti(
         fold_pass(target, strict=False)  # linear KHA into the weights; MLP-value stays, lowered below
         log.info("folded the linear KHA of a copy of %s before export", name)
     with _eval(model), _eval(target), torch.no_grad():
-        want = _FlatIO(model, names, consts)(*tensors)  # the caller's model: the check covers the fold too
-        output_names = _output_names(model(**dict(zip(names, tensors)), **consts))
+        out = model(**dict(zip(names, tensors)), **consts)  # the caller's model: the check covers the fold too
+        want = _tensors(out)
+        output_names = _output_names(out)
         timings: dict[str, float] = {}
         start = time.perf_counter()
         try:
