@@ -18,7 +18,7 @@ from .core import errors  # kc.errors.FoldError and the other KHAError subclasse
 from .core.errors import KHAError
 from .core.report import AttentionSite, Report
 from .core.version import __version__
-from .exporters import export_onnx, export_tensorrt
+from .exporters import export_aoti, export_onnx, export_tensorrt
 from .handlers.adapter import mark_trainable
 from .model.config import KHAConfig
 from .parallel import parallelize
@@ -37,6 +37,7 @@ __all__ = [
     "apply",
     "backend",
     "errors",
+    "export_aoti",
     "export_onnx",
     "export_tensorrt",
     "fold",

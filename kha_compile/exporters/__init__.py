@@ -1,6 +1,8 @@
-"""Deployment: ONNX (with the MLP-value custom node and its function body) and TensorRT engines."""
+"""Deployment: ONNX (with the MLP-value custom node and its function body), TensorRT engines and
+AOTInductor packages (.pt2, MLP-value lowered inside, no kha_compile at run time)."""
 
+from .aoti import export_aoti, read_aoti_metadata
 from .onnx import export_onnx, onnx_summary, read_kha_metadata
 from .tensorrt import export_tensorrt
 
-__all__ = ["export_onnx", "export_tensorrt", "onnx_summary", "read_kha_metadata"]
+__all__ = ["export_aoti", "export_onnx", "export_tensorrt", "onnx_summary", "read_aoti_metadata", "read_kha_metadata"]

@@ -62,3 +62,29 @@ def test_export_under_a_file_is_refused(capsys, tmp_path, monkeypatch):
 def test_export_help_documents_the_directory_behaviour(capsys):
     code, out, _ = run(capsys, "export", "--help")
     assert code == 0 and "directory is created (and reported) if it does not exist" in " ".join(out.split())
+
+
+def test_export_refuses_an_extension_that_names_no_format(capsys, tmp_path):
+    code, _, err = run(capsys, "export", "tiny-llama", str(tmp_path / "model.bin"))
+    err = " ".join(err.split())  # rich wraps long lines
+    assert code == 2 and "give OUT ending in .onnx (ONNX) or .pt2 (AOTInductor package)" in err
+    assert not (tmp_path / "model.bin").exists()
+
+
+@pytest.mark.slow  # one AOTInductor compile: 20-40 s on two busy cores
+def test_export_pt2_writes_a_package_and_checks_it_against_torch(capsys, tmp_path):
+    import torch
+
+    from kha_compile.exporters import read_aoti_metadata
+
+    path = tmp_path / "model.pt2"
+    code, out, _ = run(capsys, "export", "tiny-llama", str(path), "--mlp")
+    assert code == 0, out
+    meta = read_aoti_metadata(path)
+    assert meta["config"]["v"] == "mlp" and meta["input_names"] == ["input_ids", "attention_mask"]
+    assert "AOTInductor export" in out and "package vs torch" in out and "✓" in out
+    assert "input_ids" in out and "0: 1..∞" in out
+    # the package runs on a shape other than the example's (dynamic batch and sequence)
+    ids = torch.randint(0, 128, (3, 11))
+    (logits,) = torch._inductor.aoti_load_package(str(path))(ids, torch.ones_like(ids))
+    assert logits.shape == (3, 11, 128)

@@ -1,7 +1,9 @@
-"""``kha-compile export``: a model (optionally with KHA) to ONNX, checked against onnxruntime.
+"""``kha-compile export``: a model (optionally with KHA) to ONNX or an AOTInductor package, checked.
 
-The output's directory is created when it does not exist, and the command says so (a line on
-stdout and an INFO log record); a path whose parent is a file is refused.
+The format follows the output's extension: ``.onnx`` (checked against onnxruntime) or ``.pt2``
+(an AOTInductor package that runs without kha_compile, checked by loading it here); any other is
+refused before the model is loaded. The output's directory is created when it does not exist, and
+the command says so (a line on stdout and an INFO log record); a path whose parent is a file is refused.
 """
 
 from __future__ import annotations
@@ -17,16 +19,29 @@ import kha_compile as kc
 
 from ...analysis.inputs import example_inputs
 from ...core.errors import CommandError
+from ...exporters.aoti import AOTI_TOL, export_aoti, read_aoti_metadata
 from ...exporters.onnx import export_onnx, onnx_summary
 from ..models import MODEL_HELP, export_target, kha_param_count, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
 from ..ui import UI, fmt_diff, kv_table, ok_mark
 
-__all__ = ["NAME", "prepare_output", "register", "run"]
+__all__ = ["FORMATS", "NAME", "output_format", "prepare_output", "register", "run"]
 
 log = logging.getLogger(__name__)
 
 NAME = "export"
+FORMATS = {".onnx": "ONNX", ".pt2": "AOTInductor"}  # extension -> format of the output
+
+
+def output_format(out: pathlib.Path) -> str:
+    """The format that ``out``'s extension asks for ("ONNX" or "AOTInductor"); CommandError for another."""
+    fmt = FORMATS.get(out.suffix)
+    if fmt is None:
+        raise CommandError(
+            f"cannot tell the format of {str(out)!r} from its extension: give OUT ending in .onnx (ONNX) "
+            f"or .pt2 (AOTInductor package)."
+        )
+    return fmt
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,15 +50,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
         NAME,
         parents=[common],
         allow_abbrev=False,
-        help="export to ONNX (MLP-value as a custom node)",
-        description="Export MODEL to ONNX (linear KHA folded in a copy, MLP-value KHA as one kha::MLPValue "
-        "node per attention) and compare onnxruntime with torch on example inputs.",
+        help="export to ONNX (.onnx) or an AOTInductor package (.pt2)",
+        description="Export MODEL, linear KHA folded in a copy, to the format OUT's extension names: .onnx "
+        "(MLP-value KHA as one kha::MLPValue node per attention; compared with torch in onnxruntime) or .pt2 "
+        "(an AOTInductor package with MLP-value lowered inside, which runs without kha_compile, from Python "
+        "or C++; compared with torch after loading it here).",
     )
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument(
         "output",
-        metavar="OUT.onnx",
-        help="the ONNX file to write; its directory is created (and reported) if it does not exist",
+        metavar="OUT",
+        help="the file to write, OUT.onnx or OUT.pt2; its directory is created (and reported) if it does not exist",
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--mlp", action="store_true", help="apply MLP-value KHA (identity) before export")
@@ -51,7 +68,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--kha", metavar="DIR", help="load this KHA checkpoint before export")
     p.add_argument("--no-fold", action="store_true", help="keep linear KHA as ops (default: folded in a copy)")
     p.add_argument("--static", action="store_true", help="fixed shapes (default: dynamic batch and sequence)")
-    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
     p.set_defaults(func=run)
     return p
 
@@ -72,6 +89,7 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile export``."""
 
     out = pathlib.Path(args.output)
+    fmt = output_format(out)
     model, name = load_with_kha(args.model, args.kha, ui)
     cfg = (
         kc.KHAConfig(v="mlp") if args.mlp else kc.KHAConfig(q="linear", k="linear", v="linear") if args.linear else None
@@ -81,12 +99,41 @@ def run(args: argparse.Namespace, ui: UI) -> int:
             kc.apply(model, cfg)
     target = export_target(model)
     prepare_output(out, ui)
-    with ui.step(f"export {type(target).__name__} to {out} (dynamic={not args.static}, fold={not args.no_fold})"):
-        export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
-    s = onnx_summary(out)
+    with ui.step(
+        f"export {type(target).__name__} to {out} ({fmt}, dynamic={not args.static}, fold={not args.no_fold})"
+    ):
+        if fmt == "ONNX":
+            export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
+        else:
+            export_aoti(target, out, dynamic=not args.static, fold=not args.no_fold, check=False)  # checked below
     rows = [
         ("file", f"{out} ({out.stat().st_size / 2**20:.2f} MiB)"),
         ("KHA parameters exported", f"{kha_param_count(target):,}"),
+    ]
+    rows += _onnx_rows(out) if fmt == "ONNX" else _aoti_rows(out)
+    status = 0
+    if not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
+        ex_args, ex_kwargs = example_inputs(target)
+        with torch.no_grad():
+            want = first_tensor(target(*ex_args, **ex_kwargs))
+        if fmt == "ONNX":
+            with ui.step("compare onnxruntime with torch on the example inputs"):
+                d = max_diff(torch.from_numpy(ort_run(out, ex_args, ex_kwargs)[0]), want)
+            ok = d < ONNX_TOL * max(1.0, float(want.abs().max()))
+            rows.append(("onnxruntime vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}"))
+        else:
+            with ui.step("load the package and compare it with torch on the example inputs"):
+                d = max_diff(_aoti_run(out, ex_kwargs), want)
+            ok = d < AOTI_TOL * max(1.0, float(want.abs().max()))
+            rows.append(("package vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}"))
+        status = 0 if ok else 1
+    ui.out.print(kv_table(f"{name}: {fmt} export", rows))
+    return status
+
+
+def _onnx_rows(out: pathlib.Path) -> list[tuple[str, str]]:
+    s = onnx_summary(out)
+    rows = [
         ("opset", str(s.opset)),
         ("nodes", str(s.num_nodes)),
         ("kha::MLPValue nodes", str(s.num_custom_nodes)),
@@ -94,16 +141,33 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     ]
     rows += [(f"input {i.name}", f"{i.dtype}{list(i.dims)}") for i in s.inputs]
     rows += [(f"output {o.name}", f"{o.dtype}{list(o.dims)}") for o in s.outputs]
-    status = 0
-    if not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
-        ex_args, ex_kwargs = example_inputs(target)
-        with ui.step("compare onnxruntime with torch on the example inputs"):
-            with torch.no_grad():
-                want = first_tensor(target(*ex_args, **ex_kwargs))
-            got = torch.from_numpy(ort_run(out, ex_args, ex_kwargs)[0])
-            d = max_diff(got, want)
-        ok = d < ONNX_TOL * max(1.0, float(want.abs().max()))
-        rows.append(("onnxruntime vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}"))
-        status = 0 if ok else 1
-    ui.out.print(kv_table(f"{name}: ONNX export", rows))
-    return status
+    return rows
+
+
+def _aoti_rows(out: pathlib.Path) -> list[tuple[str, str]]:
+    meta = read_aoti_metadata(out)
+    ranges = meta.get("dynamic_shapes", {})
+    transforms = sorted(
+        {f"{role}={kind}" for site in meta.get("sites") or [] for role, kind in site["transforms"].items()}
+    )
+    rows = [
+        ("device", f"{meta['aoti'].get('AOTI_DEVICE_KEY', '?')} ({meta['aoti'].get('AOTI_CPU_ISA', '')})".strip()),
+        ("KHA", f"{meta.get('kha')}: {', '.join(transforms) or 'none'}; folded: {meta.get('folded')}"),
+        ("sites", str(len(meta.get("sites") or []))),
+    ]
+    for name in meta.get("input_names", []):
+        axes = ranges.get(name, {})
+        dyn = ", ".join(f"{a}: {lo}..{'∞' if hi is None else hi}" for a, (lo, hi) in axes.items()) or "static"
+        rows.append((f"input {name}", f"dynamic axes {dyn}"))
+    rows += [(f"output {i}", name) for i, name in enumerate(meta.get("output_names", []))]
+    return rows
+
+
+def _aoti_run(out: pathlib.Path, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The package's first output on the example inputs (given in the package's input order)."""
+    names = read_aoti_metadata(out)["input_names"]
+    missing = [n for n in names if not isinstance(kwargs.get(n), torch.Tensor)]
+    if missing:
+        raise CommandError(f"{out} takes the inputs {', '.join(missing)} that the example inputs do not provide.")
+    got = torch._inductor.aoti_load_package(str(out))(*[kwargs[n] for n in names])
+    return got if isinstance(got, torch.Tensor) else got[0]
