@@ -1,15 +1,7 @@
 """What an exported ONNX file records about KHA: ``metadata_props`` under ``kha_compile.`` keys.
 
-==========================  ==========================================================================
-key                         value
-==========================  ==========================================================================
-``kha_compile.version``     the library version that wrote the file
-``kha_compile.kha``         ``"none"`` (the model carries no KHA) or ``"applied"``
-``kha_compile.config``      JSON: the KHAConfig that reproduces the model's transforms, or ``null``
-``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
-                            ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
-``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights
-==========================  ==========================================================================
+The entries are those of :mod:`kha_compile.exporters.metadata` (version, kha, config, sites,
+folded); :func:`read_kha_metadata` reads them back from a file.
 """
 
 from __future__ import annotations
