@@ -7,6 +7,7 @@ from torch import nn
 
 import kha_compile as kc
 import zoo
+from helpers import reference_output
 
 RTOL_OUT, RTOL_GRAD = 1e-4, 1e-3
 
@@ -45,6 +46,14 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     """A loss with non-trivial gradients (``square().mean()`` is constant after a final LayerNorm)."""
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     return (out * w).sum()
+
+
+def reference(case: zoo.ZooCase) -> torch.Tensor:
+    """The output ``case.model`` must give, from the per-head reference (tests/reference.py).
+
+    Independent of the fold primitive and the strategy that the backend and the eager model share.
+    """
+    return reference_output(case.name, case.model, case.args, case.kwargs)
 
 
 def run(model, case, grad: bool = False):
