@@ -64,23 +64,46 @@ def zoo_reference(name: str, untouched: nn.Module) -> Reference:
 
 
 def reference_output(
-    name: str, model: nn.Module, args: tuple, kwargs: dict, expect=None, dtype: torch.dtype | None = None
+    name: str,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    expect=None,
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The main output of ``model`` (zoo model ``name`` with KHA) as the per-head reference computes it.
 
     The reference is a fresh untouched ``zoo.make(name)`` with ``model``'s weights and KHA tensors loaded
     by name; it shares no code with kha_compile (no fold, no head slots, no strategy). ``dtype``: compute
-    it in this dtype (weights and float inputs cast), e.g. float32 for a bfloat16 model.
+    it in this dtype (weights and float inputs cast), e.g. float32 for a bfloat16 model. ``state``: the
+    weights to use instead of ``model.state_dict()``.
     """
     dtype = dtype or next(model.parameters()).dtype
     untouched = zoo.make(name, dtype=dtype).model
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    state = model.state_dict() if state is None else state
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     ref = zoo_reference(name, untouched).load(state, expect)
 
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return main_tensor(ref(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})).detach()
+
+
+def perturb_biases(model: nn.Module, seed: int = 3, scale: float = 0.1) -> int:
+    """Move every bias off its init (transformers initialises them to zero; training would not leave them there).
+
+    A fold that forgets the bias is exact at a zero bias: tests of folds perturb biases too. Returns how many moved.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    moved = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("bias", "in_proj_bias") and ".kha." not in f".{name}":
+                p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+                moved += 1
+    return moved
 
 
 def run_python(script: str, expect: str, timeout: int = 300) -> str:

@@ -17,7 +17,7 @@ def llama_ckpt(tmp_path_factory):
     case = kha_case("llama", kc.KHAConfig(v="mlp"))
     path = tmp_path_factory.mktemp("kha_ckpt")
     kc.save_pretrained(case.model, path)
-    return path, reference(case)
+    return path, reference(case, base=zoo.make("llama").model)  # deployed into an untouched llama
 
 
 @pytest.mark.parametrize("give_model", [True, False], ids=["model_given", "model_found"])
@@ -45,8 +45,8 @@ def test_deploy_inductor(llama_ckpt):
 def test_deploy_mixed_linear_and_mlp(tmp_path, name):
     case = kha_case(name, kc.KHAConfig(q="linear", v="mlp"))
     kc.save_pretrained(case.model, tmp_path)
-    ref = reference(case)
     vanilla = zoo.make(name)
+    ref = reference(case, base=vanilla.model)  # the checkpoint's KHA in the untouched model
     be = kc.backend(from_pretrained=tmp_path, compiler="eager")
     got = run(torch.compile(vanilla.model, backend=be), vanilla)
     assert rel(got, ref) < RTOL_OUT
