@@ -12,6 +12,7 @@ when every one of its groups catches it. The score table goes to ``docs/planted_
     python scripts/plant_bugs.py                 # every bug; writes docs/planted_bugs.md
     python scripts/plant_bugs.py --list          # the bugs and their test groups
     python scripts/plant_bugs.py --only fold_t_not_transposed stale_fold_cache --no-write
+    python scripts/plant_bugs.py --before 16f21c5     # and a column: the same groups with older tests/
 
 Exit status: 0 when every bug run is caught, 1 otherwise.
 """
@@ -267,7 +268,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def write_doc(results: dict[str, list[GroupResult]], elapsed: float) -> None:
+def write_doc(
+    results: dict[str, list[GroupResult]],
+    elapsed: float,
+    before: dict[str, list[GroupResult]] | None = None,
+    before_rev: str = "",
+) -> None:
     caught = sum(all(r.outcome == "caught" for r in rs) for rs in results.values())
     lines = [
         "# Planted bugs: does the suite catch them?",
@@ -280,9 +286,20 @@ def write_doc(results: dict[str, list[GroupResult]], elapsed: float) -> None:
         "",
         f"**Score: {caught} of {len(results)} bugs caught** "
         f"({datetime.date.today().isoformat()}, {elapsed / 60:.0f} min on {os.cpu_count()} cores).",
+    ]
+    if before is not None:
+        old = sum(all(r.outcome == "caught" for r in rs) for rs in before.values())
+        lines += [
+            "",
+            f"The column *tests of {before_rev}* runs the same groups with the `tests/` of commit `{before_rev}`",
+            f"(before the per-head reference): {old} of {len(before)} caught there; *n/a*: the group's test",
+            "files did not exist yet.",
+        ]
+    extra = f" tests of {before_rev} |" if before is not None else ""
+    lines += [
         "",
-        "| bug | file | what goes wrong | test group | result | first failing test |",
-        "|---|---|---|---|---|---|",
+        f"| bug | file | what goes wrong | test group | result | first failing test |{extra}",
+        "|---|---|---|---|---|---|" + ("---|" if before is not None else ""),
     ]
     by_name = {b.name: b for b in BUGS}
     for name, rs in results.items():
@@ -291,13 +308,27 @@ def write_doc(results: dict[str, list[GroupResult]], elapsed: float) -> None:
             head = f"`{name}` | `{bug.file}` | {_cell(bug.what)}" if i == 0 else " | | "
             tests = ", ".join(f"`{t}`" for t in bug.groups[r.group])
             by = f"`{_cell(r.by)}`" if r.outcome == "caught" else _cell(r.by)
-            lines.append(f"| {head} | {r.group} ({tests}) | {r.outcome} ({r.seconds:.0f} s) | {by} |")
+            row = f"| {head} | {r.group} ({tests}) | {r.outcome} ({r.seconds:.0f} s) | {by} |"
+            if before is not None:
+                b = before[name][i]
+                row += f" {b.outcome} |"
+            lines.append(row)
     lines += [
         "",
         "The patches themselves are the `BUGS` list in `scripts/plant_bugs.py`.",
         "",
     ]
     DOC.write_text("\n".join(lines))
+
+
+def _score(bugs: list[Bug], base: pathlib.Path, timeout: int, keep: bool, label: str) -> dict[str, list[GroupResult]]:
+    results: dict[str, list[GroupResult]] = {}
+    for b in bugs:
+        print(f"{b.name}{label}: {b.what}", file=sys.stderr)
+        results[b.name] = run_bug(b, base, timeout, keep)
+        for r in results[b.name]:
+            print(f"  {r.group}: {r.outcome} ({r.seconds:.0f} s) {r.by}", file=sys.stderr)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help=f"do not write {DOC.relative_to(ROOT)}")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
     parser.add_argument("--tests-from", metavar="REV", help="score the tests/ of git revision REV instead")
+    parser.add_argument("--before", metavar="REV", help="also score the tests/ of REV, as a column of the table")
     args = parser.parse_args(argv)
     bugs = BUGS
     if args.only:
@@ -322,19 +354,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {g}: {' '.join(tests)}")
         return 0
     start = time.monotonic()
-    results: dict[str, list[GroupResult]] = {}
+    before = None
     with tempfile.TemporaryDirectory(prefix="kha_bug_base_") as tmp:
-        base = snapshot(pathlib.Path(tmp), args.tests_from)
-        for b in bugs:
-            print(f"{b.name}: {b.what}", file=sys.stderr)
-            results[b.name] = run_bug(b, base, args.timeout, args.keep)
-            for r in results[b.name]:
-                print(f"  {r.group}: {r.outcome} ({r.seconds:.0f} s) {r.by}", file=sys.stderr)
-    elapsed = time.monotonic() - start
+        base = snapshot(pathlib.Path(tmp) / "now", args.tests_from)
+        old = snapshot(pathlib.Path(tmp) / "before", args.before) if args.before else None
+        results = _score(bugs, base, args.timeout, args.keep, "")
+        elapsed = time.monotonic() - start
+        if old is not None:
+            before = _score(bugs, old, args.timeout, args.keep, f" (tests of {args.before})")
     caught = [n for n, rs in results.items() if all(r.outcome == "caught" for r in rs)]
     print(f"{len(caught)} of {len(results)} bugs caught in {elapsed / 60:.1f} min", file=sys.stderr)
+    if before is not None:
+        old_caught = sum(all(r.outcome == "caught" for r in rs) for rs in before.values())
+        print(f"with the tests of {args.before}: {old_caught} of {len(before)} caught", file=sys.stderr)
     if not args.no_write and not args.only and not args.tests_from:
-        write_doc(results, elapsed)
+        write_doc(results, elapsed, before, args.before or "")
         print(f"wrote {DOC.relative_to(ROOT)}", file=sys.stderr)
     return 0 if len(caught) == len(results) else 1
 
