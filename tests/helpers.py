@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import zoo
+from reference import Reference, main_tensor
 
 
 def main_output(out):
@@ -40,6 +41,69 @@ def perturb(model: nn.Module, seed: int = 1, scale: float = 0.1) -> None:
             before = p.detach().clone()
             p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
             assert p.is_meta or not torch.equal(p, before), f"perturbing {name} changed nothing"
+
+
+# the layout tests/reference.py writes out for each zoo model (transformers models: their config's model_type)
+REFERENCE_ARCH = {"torch_encoder": "torch_mha", "nanogpt": "nanogpt"}
+
+
+def expected_roles(case: zoo.ZooCase, cfg) -> dict[str, str]:
+    """Role -> kind every projection of ``case`` carries after ``kc.apply(model, cfg)``.
+
+    MLA sites take linear where MLP-value is asked for (KHA_SPEC.md, "Multi-head latent attention").
+    """
+    roles = dict(cfg.roles())
+    if "mla" in case.kinds and roles.get("v") == "mlp":
+        roles["v"] = "linear"
+    return roles
+
+
+def zoo_reference(name: str, untouched: nn.Module) -> Reference:
+    """The per-head reference (tests/reference.py) of zoo model ``name`` over its untouched copy."""
+    return Reference(untouched, REFERENCE_ARCH.get(name))
+
+
+def reference_output(
+    name: str,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    expect=None,
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The main output of ``model`` (zoo model ``name`` with KHA) as the per-head reference computes it.
+
+    The reference is a fresh untouched ``zoo.make(name)`` with ``model``'s weights and KHA tensors loaded
+    by name; it shares no code with kha_compile (no fold, no head slots, no strategy). ``dtype``: compute
+    it in this dtype (weights and float inputs cast), e.g. float32 for a bfloat16 model. ``state``: the
+    weights to use instead of ``model.state_dict()``.
+    """
+    dtype = dtype or next(model.parameters()).dtype
+    untouched = zoo.make(name, dtype=dtype).model
+    state = model.state_dict() if state is None else state
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    ref = zoo_reference(name, untouched).load(state, expect)
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return main_tensor(ref(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})).detach()
+
+
+def perturb_biases(model: nn.Module, seed: int = 3, scale: float = 0.1) -> int:
+    """Move every bias off its init (transformers initialises them to zero; training would not leave them there).
+
+    A fold that forgets the bias is exact at a zero bias: tests of folds perturb biases too. Returns how many moved.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    moved = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("bias", "in_proj_bias") and ".kha." not in f".{name}":
+                p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+                moved += 1
+    return moved
 
 
 def run_python(script: str, expect: str, timeout: int = 300) -> str:

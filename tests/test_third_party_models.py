@@ -1,8 +1,11 @@
 """Models from libraries other than transformers, built from small configs (no downloads):
 x-transformers (einsum attention, GQA, encoder and decoder) and fair-esm's ESM-2 (separate q/k/v
-linears, rotary, bmm + softmax, key padding mask)."""
+linears, rotary, bmm + softmax, key padding mask). Each is checked against the per-head reference of
+tests/reference.py, perturbed and after fused optimizer steps."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,14 +13,15 @@ from torch import nn
 
 import kha_compile as kc
 from form_checks import check_form
-from helpers import kha_params
+from helpers import kha_params, perturb
 from kha_compile.core.errors import TraceError
+from reference import Reference, check_against_reference
 
 V, T = 128, 8
 
 
-def _ids():
-    return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+def _ids(batch: int = 2, seq: int = T):
+    return torch.randint(0, V, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
 def _x_transformers(kind):
@@ -42,11 +46,11 @@ def _esm2_logits():
     return lambda: ESM2Logits(_esm2())
 
 
-def _esm_ids(padded: bool) -> torch.Tensor:
+def _esm_ids(padded: bool, batch: int = 2, seq: int = T) -> torch.Tensor:
     """Amino-acid token ids (4..23 in the ESM-1b alphabet); ``padded`` pads the second sequence."""
-    ids = torch.randint(4, 24, (2, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(4, 24, (batch, seq), generator=torch.Generator().manual_seed(0))
     if padded:
-        ids[1, T - 3 :] = 1  # <pad>
+        ids[1, seq - 3 :] = 1  # <pad>
     return ids
 
 
@@ -86,6 +90,14 @@ CASES = {
     "esm2_padded": (_esm2_logits, lambda: _esm_ids(True), "manual_softmax"),
 }
 
+# case -> (reference layout, its head counts as the model was built above, inputs of 96 tokens)
+REFERENCE = {
+    "x_transformers-decoder_gqa_rope": ("x_transformers", {"heads": 4, "kv_heads": 2, "dim_head": 16}, _ids),
+    "x_transformers-encoder": ("x_transformers", {"heads": 4, "dim_head": 16}, _ids),
+    "esm2": ("esm", {"heads": 4, "dim": 64}, lambda batch, seq: _esm_ids(False, batch, seq)),
+    "esm2_padded": ("esm", {"heads": 4, "dim": 64}, lambda batch, seq: _esm_ids(True, batch, seq)),
+}
+
 
 @pytest.mark.parametrize("v", ["linear", "mlp"])
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -95,6 +107,21 @@ def test_apply_identity_perturb_fold(case, v):
     if isinstance(model, ESM2Logits):  # the ESM2 inside runs the same KHA (perturbed; folded for linear)
         with torch.enable_grad():
             assert torch.equal(model.esm(ids())["logits"], model(ids()))
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_perturbed_and_trained_equal_the_per_head_reference(case, v):
+    make, ids, _ = CASES[case]
+    arch, heads, many = REFERENCE[case]
+    torch.manual_seed(0)
+    model = make()().eval()  # a case makes a factory (after importorskip)
+    untouched = copy.deepcopy(model)
+    cfg = kc.KHAConfig(q="linear", k="linear", v=v)
+    kc.apply(model, cfg, example_args=(ids(),))
+    perturb(model)
+    examples = [((ids(),), {}), ((many(4, 24),), {})]  # 16 and 96 tokens (> width 64: weight-side)
+    check_against_reference(model, Reference(untouched, arch, heads), examples, dict(cfg.roles()))
 
 
 @pytest.mark.parametrize("padded", [False, True])

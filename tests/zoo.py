@@ -24,7 +24,7 @@ from torch import nn
 
 from kha_compile.analysis.inputs import example_inputs
 
-__all__ = ["HF_NAMES", "TORCH_NAMES", "ZOO_NAMES", "ZooCase", "make"]
+__all__ = ["HF_NAMES", "TORCH_NAMES", "ZOO_NAMES", "ZooCase", "inputs", "make"]
 
 SEED = 0
 HIDDEN, HEADS, LAYERS, INTER, VOCAB, MAX_POS = 64, 4, 2, 128, 128, 64
@@ -308,18 +308,18 @@ class _Spec:
     num_kv_heads: int = HEADS
     causal_lm: bool = False
     hf: bool = True
-    example: Callable[[torch.device, torch.dtype], tuple[tuple, dict]] | None = None  # torch models
-    decoder_len: int | None = None  # encoder-decoder: a decoder length unlike the encoder's
+    example: Callable[[torch.device, torch.dtype, int, int], tuple[tuple, dict]] | None = None  # torch models
+    decoder_short: int = 0  # encoder-decoder: the decoder this many tokens shorter than the encoder
 
 
-def _ids(device: torch.device, dtype: torch.dtype) -> tuple[tuple, dict]:
+def _ids(device: torch.device, dtype: torch.dtype, batch: int, seq: int) -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(SEED)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device),), {}
+    return (torch.randint(0, VOCAB, (batch, seq), generator=g).to(device),), {}
 
 
-def _hidden(device: torch.device, dtype: torch.dtype) -> tuple[tuple, dict]:
+def _hidden(device: torch.device, dtype: torch.dtype, batch: int, seq: int) -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(SEED)
-    return (torch.randn(BATCH, SEQ, HIDDEN, generator=g).to(device=device, dtype=dtype),), {}
+    return (torch.randn(batch, seq, HIDDEN, generator=g).to(device=device, dtype=dtype),), {}
 
 
 _SPECS: dict[str, _Spec] = {
@@ -329,7 +329,7 @@ _SPECS: dict[str, _Spec] = {
     "gpt2": _Spec(_gpt2, {"mha": LAYERS}, causal_lm=True),
     "gpt_neox": _Spec(_gpt_neox, {"mha": LAYERS}, causal_lm=True),
     "bert": _Spec(_bert, {"mha": LAYERS}),
-    "t5": _Spec(_t5, {"mha": 2 * LAYERS, "cross": LAYERS}, causal_lm=True, decoder_len=SEQ - 3),
+    "t5": _Spec(_t5, {"mha": 2 * LAYERS, "cross": LAYERS}, causal_lm=True, decoder_short=3),
     "gemma2": _Spec(_gemma2, {"gqa": LAYERS}, num_kv_heads=2, causal_lm=True),
     "phi": _Spec(_phi, {"mha": LAYERS}, causal_lm=True),
     "falcon": _Spec(_falcon, {"mqa": LAYERS}, num_kv_heads=1, causal_lm=True),
@@ -344,10 +344,18 @@ HF_NAMES: tuple[str, ...] = tuple(n for n, s in _SPECS.items() if s.hf)
 TORCH_NAMES: tuple[str, ...] = tuple(n for n, s in _SPECS.items() if not s.hf)
 
 
-def make(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ZooCase:
+def make(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    batch: int = BATCH,
+    seq: int = SEQ,
+) -> ZooCase:
     """Build the tiny model ``name`` (seeded, eval mode) on ``device`` in ``dtype``, with its inputs.
 
-    ``device="meta"`` gives a model with no storage and meta inputs, for tracing only.
+    ``device="meta"`` gives a model with no storage and meta inputs, for tracing only. ``batch`` and
+    ``seq`` size the example inputs (:func:`inputs` builds more of them for the same model).
 
     Example::
 
@@ -362,12 +370,7 @@ def make(name: str, dtype: torch.dtype = torch.float32, device: str | torch.devi
         torch.manual_seed(SEED)
         model = spec.build()
     model = model.to(dtype=dtype).to(device).eval()
-    if spec.example is not None:
-        args, kwargs = spec.example(device, dtype)
-    else:
-        args, kwargs = example_inputs(model, batch_size=BATCH, seq_len=SEQ)
-    if spec.decoder_len is not None:  # cross attention then has Tq != Tk, as in real use
-        kwargs["decoder_input_ids"] = kwargs["decoder_input_ids"][:, : spec.decoder_len]
+    args, kwargs = inputs(name, model, batch=batch, seq=seq)
     return ZooCase(
         name=name,
         model=model,
@@ -379,3 +382,21 @@ def make(name: str, dtype: torch.dtype = torch.float32, device: str | torch.devi
         causal_lm=spec.causal_lm,
         hf=spec.hf,
     )
+
+
+def inputs(name: str, model: nn.Module, *, batch: int = BATCH, seq: int = SEQ) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one call of zoo model ``name`` (``model``, on its device and dtype), sized ``batch`` x ``seq``.
+
+    Example::
+
+        case = zoo.make("llama")
+        args, kwargs = zoo.inputs("llama", case.model, batch=4, seq=24)     # 96 tokens > hidden 64
+    """
+    spec = _SPECS[name]
+    p = next(model.parameters())
+    if spec.example is not None:
+        return spec.example(p.device, p.dtype, batch, seq)
+    args, kwargs = example_inputs(model, batch_size=batch, seq_len=seq)
+    if spec.decoder_short:  # cross attention then has Tq != Tk, as in real use
+        kwargs["decoder_input_ids"] = kwargs["decoder_input_ids"][:, : seq - spec.decoder_short]
+    return args, kwargs

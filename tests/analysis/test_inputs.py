@@ -131,7 +131,7 @@ def test_sentence_transformer(monkeypatch):
 @pytest.mark.parametrize("name", zoo.TORCH_NAMES)
 def test_plain_module_without_inputs_raises(name):
     model = zoo.make(name).model
-    with pytest.raises(MissingExampleInputsError) as info:
+    with pytest.raises(MissingExampleInputsError, match="not a transformers PreTrainedModel") as info:
         example_inputs(model)
     assert isinstance(info.value, KHAError)
     msg = str(info.value)

@@ -7,6 +7,7 @@ from torch import nn
 
 import kha_compile as kc
 import zoo
+from helpers import perturb_biases, reference_output
 
 RTOL_OUT, RTOL_GRAD = 1e-4, 1e-3
 
@@ -35,9 +36,11 @@ def perturb(model: nn.Module, seed: int = 1) -> None:
 
 
 def kha_case(name: str, cfg: kc.KHAConfig) -> zoo.ZooCase:
+    """Zoo model ``name`` with KHA ``cfg``, its KHA weights and biases moved off their init (as trained)."""
     case = zoo.make(name)
     kc.apply(case.model, cfg)
     perturb(case.model)
+    perturb_biases(case.model)
     return case
 
 
@@ -45,6 +48,19 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     """A loss with non-trivial gradients (``square().mean()`` is constant after a final LayerNorm)."""
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     return (out * w).sum()
+
+
+def reference(case: zoo.ZooCase, base: nn.Module | None = None) -> torch.Tensor:
+    """The output ``case.model`` must give, from the per-head reference (tests/reference.py).
+
+    Independent of the fold primitive and the strategy that the backend and the eager model share.
+    ``base``: take the model's own weights from this model instead (a vanilla model the KHA tensors of
+    ``case.model`` are deployed into).
+    """
+    state = case.model.state_dict()
+    if base is not None:
+        state = {**base.state_dict(), **{k: v for k, v in state.items() if ".kha." in f".{k}"}}
+    return reference_output(case.name, case.model, case.args, case.kwargs, state=state)
 
 
 def run(model, case, grad: bool = False):

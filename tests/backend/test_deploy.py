@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_cases import RTOL_OUT, kha_case, rel, run
+from backend_cases import RTOL_OUT, kha_case, reference, rel, run
 
 import kha_compile as kc
 import zoo
@@ -13,13 +13,11 @@ from kha_compile.core.errors import CheckpointError, KHAError
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
-    """A KHA-MLP checkpoint of the tiny llama, and that model's eager outputs after load_pretrained."""
+    """A KHA-MLP checkpoint of the tiny llama, and the outputs the per-head reference gives for it."""
     case = kha_case("llama", kc.KHAConfig(v="mlp"))
     path = tmp_path_factory.mktemp("kha_ckpt")
     kc.save_pretrained(case.model, path)
-    loaded = zoo.make("llama")
-    kc.load_pretrained(loaded.model, path)
-    return path, run(loaded.model, loaded)
+    return path, reference(case, base=zoo.make("llama").model)  # deployed into an untouched llama
 
 
 @pytest.mark.parametrize("give_model", [True, False], ids=["model_given", "model_found"])
@@ -47,8 +45,8 @@ def test_deploy_inductor(llama_ckpt):
 def test_deploy_mixed_linear_and_mlp(tmp_path, name):
     case = kha_case(name, kc.KHAConfig(q="linear", v="mlp"))
     kc.save_pretrained(case.model, tmp_path)
-    ref = run(case.model, case)
     vanilla = zoo.make(name)
+    ref = reference(case, base=vanilla.model)  # the checkpoint's KHA in the untouched model
     be = kc.backend(from_pretrained=tmp_path, compiler="eager")
     got = run(torch.compile(vanilla.model, backend=be), vanilla)
     assert rel(got, ref) < RTOL_OUT

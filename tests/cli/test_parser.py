@@ -48,7 +48,7 @@ def test_cli_kinds_are_the_config_values():
         args = parser.parse_args(["apply", "m", "--out", "o", f"--{role}", kinds[-1]])
         assert getattr(args, role) == kinds[-1]
         kc.KHAConfig(**{"q": None, "k": None, "v": None, role: kinds[-1]})
-    with pytest.raises(kc.KHAError):
+    with pytest.raises(kc.KHAError, match="use one of"):
         kc.KHAConfig(q="mlp")  # ... and the CLI refuses it too (test_inspect_apply)
 
 

@@ -228,7 +228,7 @@ def test_onnx_float_dtype(onnx_file):
 
 def test_no_tensorrt_is_backend_unavailable_with_install_advice(monkeypatch, onnx_file, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
-    with pytest.raises(BackendUnavailableError) as info:
+    with pytest.raises(BackendUnavailableError, match="`tensorrt` Python package") as info:
         export_tensorrt(onnx_file, tmp_path / "m.engine")
     msg = str(info.value)
     assert "`tensorrt` Python package" in msg
@@ -244,7 +244,7 @@ def test_no_gpu_is_backend_unavailable_naming_the_gpu(monkeypatch, onnx_file, tm
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", fake.plugin)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(BackendUnavailableError) as info:
+    with pytest.raises(BackendUnavailableError, match=r"torch\.cuda\.is_available\(\) is False") as info:
         export_tensorrt(onnx_file, tmp_path / "m.engine")
     msg = str(info.value)
     assert "torch.cuda.is_available() is False" in msg

@@ -19,9 +19,9 @@ CFG = kc.KHAConfig(q="linear", v="mlp")
 IDS = torch.randint(0, tiny.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-def _trained():
+def _trained(cfg: kc.KHAConfig = CFG):
     model = tiny.make("tiny-llama")
-    kc.apply(model, CFG)
+    kc.apply(model, cfg)
     perturb(model, scale=0.2)
     return model
 
@@ -87,19 +87,33 @@ print("HINT" if hint else "NO HINT: " + repr(seen))
     assert "NO HINT" not in out
 
 
-@pytest.mark.parametrize("shard", [None, "20KB"])
-def test_save_pretrained_from_pretrained_load_pretrained_is_exact(tmp_path, shard):
-    model = _trained()
+ROUND_TRIPS = {
+    "qkv_linear": kc.KHAConfig(q="linear", k="linear", v="linear"),
+    "qk_linear_v_mlp": kc.KHAConfig(q="linear", k="linear", v="mlp"),
+}
+
+
+@pytest.mark.parametrize(
+    "cfg_name,shard", [("qkv_linear", None), ("qk_linear_v_mlp", None), ("qk_linear_v_mlp", "20KB")]
+)
+def test_save_pretrained_from_pretrained_load_pretrained_is_exact(tmp_path, cfg_name, shard):
+    cfg = ROUND_TRIPS[cfg_name]
+    model = _trained(cfg)
+    saved = {n: p.detach().clone() for n, p in kha_params(model).items()}
+    assert {n.split(".kha.")[1].split(".")[0] for n in saved} == {"q", "k", "v"}
     want = model(input_ids=IDS).logits
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(tmp_path, **kwargs)
-    assert json.loads((tmp_path / "config.json").read_text())["kha_compile"]["v"] == "mlp"
+    assert json.loads((tmp_path / "config.json").read_text())["kha_compile"]["v"] == cfg.v
     if shard:
         assert (tmp_path / "model.safetensors.index.json").is_file()
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     assert not kha_params(fresh)  # transformers alone drops the KHA tensors (its unexpected-keys report)
     kc.load_pretrained(fresh, tmp_path)
-    assert set(kha_params(fresh)) == set(kha_params(model))
+    loaded = kha_params(fresh)
+    assert set(loaded) == set(saved)
+    for n, t in saved.items():  # each tensor of each role, not just the output
+        assert torch.equal(loaded[n], t), f"{n} changed in the round trip"
     assert torch.equal(fresh(input_ids=IDS).logits, want)
 
 

@@ -90,7 +90,7 @@ def test_parse_arch_rejects(arch):
 def test_resource_parsers():
     text = "Resource usage:\n Common:\n  GLOBAL:0\n Function _bwd:\n  REG:168 STACK:24 SHARED:0 LOCAL:0\n"
     assert aot.parse_resource_usage(text, "_bwd") == (168, 24)
-    with pytest.raises(KernelCompileError):
+    with pytest.raises(KernelCompileError, match="no resource usage for '_fwd'"):
         aot.parse_resource_usage(text, "_fwd")
     log = "ptxas info    : Function properties for _fwd\n    24 bytes stack frame, 20 bytes spill stores, 20 bytes spill loads\n"
     assert aot.parse_spill_stores(log) == 20

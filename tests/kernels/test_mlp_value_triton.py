@@ -313,7 +313,7 @@ def test_bad_block_sizes_rejected():
 def test_without_triton_raises_backend_unavailable(monkeypatch):
     monkeypatch.setattr("kha_compile.kernels.availability.import_triton", lambda: None)
     assert not triton_available()
-    with pytest.raises(BackendUnavailableError) as info:
+    with pytest.raises(BackendUnavailableError, match="pip install triton") as info:
         mlp_value_triton(torch.randn(4, 16), *[torch.randn(16, 16)] * 3)
     msg = str(info.value)
     assert "pip install triton" in msg and "NVIDIA GPU" in msg and "TRITON_INTERPRET=1" in msg

@@ -133,7 +133,7 @@ def test_empty_batch():
 # ---------------------------------------------------------------------------------------------------
 def test_wrong_weight_shape_names_shapes():
     v, ws = _inputs((2, 3, 8))
-    with pytest.raises(OpInputError) as info:
+    with pytest.raises(OpInputError, match=r"w_gate has shape \(8, 4\)") as info:
         torch.ops.kha.mlp_value(v, ws[0], torch.zeros(8, 4), ws[2])
     msg = str(info.value)
     assert "w_gate" in msg and "(8, 4)" in msg and "(2, 3, 8)" in msg and "(8, 8)" in msg

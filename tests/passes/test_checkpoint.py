@@ -1,4 +1,5 @@
-"""save_pretrained / read_checkpoint / load_pretrained: every way a checkpoint can misfit changes nothing."""
+"""save_pretrained / read_checkpoint / load_pretrained: round trips of every role and kind, tensor by
+tensor; every way a checkpoint can misfit changes nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 import kha_compile as kc
-from helpers import perturb
+import zoo
+from helpers import kha_params, perturb
 from kha_compile.core.errors import CheckpointError, NoKHATransformsError
 from kha_compile.store.format import checkpoint_misfit, read_checkpoint
 
@@ -40,6 +42,34 @@ def _unchanged(model, snap, ids, ref):
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
+
+
+ROUND_TRIPS = {
+    "qkv_linear": kc.KHAConfig(q="linear", k="linear", v="linear"),
+    "qk_linear_v_mlp": kc.KHAConfig(q="linear", k="linear", v="mlp"),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])  # separate projections; one fused [Q|K|V] Conv1D
+@pytest.mark.parametrize("cfg_name", sorted(ROUND_TRIPS))
+def test_round_trip_keeps_every_tensor_of_every_role_and_kind(tmp_path, name, cfg_name):
+    cfg = ROUND_TRIPS[cfg_name]
+    case = zoo.make(name)
+    kc.apply(case.model, cfg)
+    perturb(case.model)
+    saved = {n: p.detach().clone() for n, p in kha_params(case.model).items()}
+    roles = {n.split(".kha.")[1].split(".")[0] for n in saved}
+    assert roles == {"q", "k", "v"}  # every role is in the checkpoint, each moved off identity by perturb
+    kc.save_pretrained(case.model, tmp_path)
+    fresh = zoo.make(name)
+    kc.load_pretrained(fresh.model, tmp_path)
+    loaded = kha_params(fresh.model)
+    assert set(loaded) == set(saved)
+    for n, t in saved.items():  # each tensor, not just the output
+        assert torch.equal(loaded[n], t), f"{n} changed in the round trip"
+    with torch.no_grad():
+        want = case.model(*case.args, **case.kwargs).logits
+        assert torch.equal(fresh.model(*fresh.args, **fresh.kwargs).logits, want)
 
 
 @pytest.fixture(scope="module")

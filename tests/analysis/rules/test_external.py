@@ -125,7 +125,7 @@ def test_registered_op_trains_one_step(registered):
 
 def test_unregistered_op_is_named_with_the_call_that_registers_it():
     model = TwoBlocks()
-    with pytest.raises(NoAttentionFoundError) as info:
+    with pytest.raises(NoAttentionFoundError, match="look like attention are not registered") as info:
         kc.apply(model, example_args=(torch.randn(1, T, D),))
     msg = str(info.value)
     assert "look like attention are not registered" in msg
@@ -184,5 +184,5 @@ def test_onnx_export_of_an_unknown_custom_op_fails_with_the_step_named(registere
     model = TwoBlocks()
     x = torch.randn(1, T, D)
     kc.apply(model, example_args=(x,))
-    with pytest.raises(ExportError):
+    with pytest.raises(ExportError, match=r"step '\w+'"):
         kc.export_onnx(model, tmp_path / "ext.onnx", example_args=(x,))

@@ -77,7 +77,7 @@ def test_builtin_rules_come_first_in_order():
 def test_an_unknown_attention_op_is_not_matched_until_a_rule_is_registered(restore_rules):
     torch.manual_seed(0)
     model, x = ToyAttention().eval(), torch.randn(2, 5, 32)
-    with pytest.raises(NoAttentionFoundError):
+    with pytest.raises(NoAttentionFoundError, match="no per-head attention"):
         kc.apply(model, kc.KHAConfig(v="linear"), example_args=(x,))
     register_rule(ToyRule())
     with torch.no_grad():
