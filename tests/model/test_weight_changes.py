@@ -95,13 +95,11 @@ CHANGES: dict[str, Callable[[nn.Module, dict], None]] = {
     "data_assignment": _data,
 }
 
-# The compiled forward (the "kha" backend, graphs run eagerly) is checked the same way. Its fold staleness
-# is fixed in kha_compile/backend/ on another branch; drop this mark once that is merged. Measured on this
-# branch without the mark: qk_linear_v_mlp after fused AdamW / Adam is 0.2-0.7 off; the other 14 pass.
-COMPILED = pytest.param("compiled", marks=pytest.mark.skip(reason="enable with the backend's staleness fix"))
+# The compiled forward (the "kha" backend, graphs run eagerly) is checked the same way: its folds are
+# graph nodes over the live weights (kha_compile/backend/runtime.py), so no change can leave them stale.
 
 
-@pytest.mark.parametrize("forward", ["eager", COMPILED])
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
 @pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
 def test_forward_after_a_weight_change_equals_a_fresh_model(applied, cfg_name, change, forward):
