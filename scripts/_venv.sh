@@ -11,7 +11,7 @@
 KHA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KHA_EXTRAS="${KHA_EXTRAS:-test}"
 KHA_TORCH="${KHA_TORCH:-torch==2.13.0}"
-KHA_VENV="$KHA_ROOT/.venv"
+KHA_VENV="${KHA_VENV:-$KHA_ROOT/.venv}"  # overridable for the set-up test
 KHA_STAMP="$KHA_VENV/.kha-install-stamp"
 
 if [ ! -x "$KHA_VENV/bin/python" ]; then
@@ -20,7 +20,7 @@ if [ ! -x "$KHA_VENV/bin/python" ]; then
 fi
 
 _kha_hash="$( (cat "$KHA_ROOT/pyproject.toml" "$KHA_ROOT/constraints.txt"; echo "torch=$KHA_TORCH") | sha256sum | cut -d' ' -f1)"
-_kha_have="$(cat "$KHA_STAMP" 2>/dev/null)"
+_kha_have="$(cat "$KHA_STAMP" 2>/dev/null || true)"  # no stamp yet: a fresh venv (safe under set -e)
 _kha_need=0
 if [ "${_kha_have%% *}" != "$_kha_hash" ]; then
     _kha_need=1

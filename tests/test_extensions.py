@@ -21,34 +21,14 @@ from kha_compile.core.errors import NoAttentionFoundError
 from kha_compile.handlers import HANDLERS, ProjectionHandler, owner_of, register_handler
 from kha_compile.model.carrier import KHAProjection, attach, detach
 from kha_compile.model.rows import fold_rows
-from kha_compile.model.transforms import TransformKind, base, kind_of, register_transform
+from kha_compile.model.transforms import kind_of
+from toys import DiagScaleKind, registered_kind
 
 D, H, T = 32, 4, 40  # more tokens than d_model: linear KHA runs weight-side in training
 DH = D // H
 
 
-# -- a transform kind: a per-feature scale shared by all heads (diag(s), foldable) ----------------------
-class Scale(nn.Module):
-    kind = "toy_scale"
-
-    def __init__(self, head_dim, *, dtype=None, device=None):
-        super().__init__()
-        self.s = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
-
-    def forward(self, x):  # (..., Dh)
-        return x * self.s
-
-
-class ScaleKind(TransformKind):
-    name = "toy_scale"
-    roles = ("q", "k", "v")
-    module_cls = Scale
-    param_names = ("s",)
-    foldable = True
-
-    def functional(self, x, *params):
-        return x * params[0]
-
+# -- a transform kind: a per-feature scale shared by all heads (diag(s), foldable): toys.DiagScaleKind --
 
 # -- an attention rule: sigmoid attention, sigmoid(q k^T / sqrt(d) + b) @ v ---------------------------
 aten = torch.ops.aten
@@ -134,12 +114,11 @@ class SigmoidBlock(nn.Module):
 @pytest.fixture
 def extensions():
     """Register the three extensions for one test; the registries are restored afterwards."""
-    kinds, rules, handlers = base.KINDS.items(), RULES.items(), HANDLERS.items()
-    register_transform(ScaleKind())
-    register_rule(SigmoidAttentionRule())
-    register_handler(LowRankHandler())
-    yield
-    base.KINDS.restore(kinds)
+    rules, handlers = RULES.items(), HANDLERS.items()
+    with registered_kind(DiagScaleKind()):
+        register_rule(SigmoidAttentionRule())
+        register_handler(LowRankHandler())
+        yield
     RULES.restore(rules)
     HANDLERS.restore(handlers)
 
@@ -155,7 +134,7 @@ def _reference(block: SigmoidBlock, x: torch.Tensor, kha: dict[str, dict[str, to
     for role, tensors in kha.items():
         if "weight" in tensors:  # linear: x @ T
             heads[role] = heads[role] @ tensors["weight"]
-        else:  # toy_scale: x * s
+        else:  # diag_scale: x * s
             heads[role] = heads[role] * tensors["s"]
     out = torch.zeros(B, L, H, DH)
     for h in range(H):
@@ -178,7 +157,7 @@ def _block_and_input() -> tuple[SigmoidBlock, torch.Tensor]:
 
 
 def _cfg() -> kc.KHAConfig:
-    return kc.KHAConfig(q="linear", k="toy_scale", v="toy_scale")  # valid once the kind is registered
+    return kc.KHAConfig(q="linear", k="diag_scale", v="diag_scale")  # valid once the kind is registered
 
 
 def test_without_the_rule_nothing_is_found():
@@ -195,8 +174,8 @@ def test_extensions_apply_train_and_fold_against_a_per_head_reference(extensions
     (site,) = kc.inspect(block, example_args=(x,)).matched
     assert site.anchor == "toy_sigmoid_attention" and site.transforms == {
         "q": "linear",
-        "k": "toy_scale",
-        "v": "toy_scale",
+        "k": "diag_scale",
+        "v": "diag_scale",
     }
     assert block.q.__dict__["_kha_handler"] == "toy_lowrank"
     with torch.no_grad():

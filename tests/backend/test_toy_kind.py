@@ -11,47 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_cases import loss_of, out_of, rel, run
-from torch import nn
 
 import kha_compile as kc
 import zoo
 from helpers import kha_params, perturb
-from kha_compile.model.transforms import TransformKind, base, register_transform
+from toys import DiagScaleKind, registered_kind
 
 HEAD_DIM = 16
 CFG = dict(q="linear", k="diag_scale", v="diag_scale")
 
 
-class DiagScale(nn.Module):
-    """A per-feature scale shared by every head: ``x * s``, identity at s = 1."""
-
-    kind = "diag_scale"
-
-    def __init__(self, head_dim, *, dtype=None, device=None):
-        super().__init__()
-        self.s = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
-
-    def forward(self, x):
-        return x * self.s
-
-
-class DiagScaleKind(TransformKind):
-    name = "diag_scale"
-    roles = ("q", "k", "v")
-    module_cls = DiagScale
-    param_names = ("s",)
-    foldable = True
-
-    def functional(self, x, *params):
-        return x * params[0]
-
-
 @pytest.fixture
 def diag_scale():
-    saved = base.KINDS.items()
-    register_transform(DiagScaleKind())
-    yield
-    base.KINDS.restore(saved)
+    with registered_kind(DiagScaleKind()):
+        yield
 
 
 def _kha_model():

@@ -304,7 +304,11 @@ def test_strategy_config_validated_and_versioned():
     with pytest.raises(KHAConfigError, match="'auto', 'weight', 'token'"):
         kc.KHAConfig(v="linear", strategy="fast")
     cfg = kc.KHAConfig(v="linear", strategy="token")
-    assert cfg.to_dict()["version"] == 2 and kc.KHAConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["version"] == 3 and kc.KHAConfig.from_dict(cfg.to_dict()) == cfg
+    v2 = {"version": 2, "q": None, "k": None, "v": "linear", "strategy": "token"}  # before recorded plans
+    assert kc.KHAConfig.from_dict(v2) == cfg
+    with pytest.raises(KHAConfigError, match="version 4 is not supported"):
+        kc.KHAConfig.from_dict({**v2, "version": 4})
     old = {"version": 1, "q": None, "k": None, "v": "linear"}  # a checkpoint written before strategies
     assert kc.KHAConfig.from_dict(old) == kc.KHAConfig(v="linear", strategy="auto")
     model, _ = _linear_model("token")

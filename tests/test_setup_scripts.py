@@ -1,0 +1,69 @@
+"""scripts/_venv.sh, the set-up both README commands source, run as CI runs it: ``set -euo pipefail``.
+
+``python3`` and the venv's ``python`` are stubs that log their arguments, so the test runs in well
+under a second and checks the script's own logic: a fresh venv is created and installed into, a
+second run installs nothing, and an extra not yet installed triggers an install.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_STUB_PYTHON = """#!/usr/bin/env bash
+echo "python $*" >> "$KHA_TEST_LOG"
+"""
+
+_STUB_PYTHON3 = """#!/usr/bin/env bash
+# python3 -m venv DIR: make DIR/bin/python, a stub that logs its arguments
+echo "python3 $*" >> "$KHA_TEST_LOG"
+mkdir -p "$3/bin"
+cp "$KHA_TEST_STUB" "$3/bin/python"
+chmod +x "$3/bin/python"
+"""
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _source(tmp_path: Path, extras: str) -> list[str]:
+    log = tmp_path / "log"
+    log.write_text("")
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "KHA_VENV": str(tmp_path / "venv"),
+        "KHA_EXTRAS": extras,
+        "KHA_TEST_LOG": str(log),
+        "KHA_TEST_STUB": str(tmp_path / "stub_python"),
+    }
+    script = f'set -euo pipefail; source "{ROOT / "scripts" / "_venv.sh"}"; echo sourced'
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"_venv.sh failed under set -e:\n{done.stderr}"
+    assert done.stdout.strip().endswith("sourced")
+    return log.read_text().splitlines()
+
+
+def test_fresh_venv_is_created_and_installed_then_reused(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _executable(tmp_path / "stub_python", _STUB_PYTHON)
+    _executable(tmp_path / "bin" / "python3", _STUB_PYTHON3)
+
+    first = _source(tmp_path, "test")  # no .venv, no stamp: the state of a fresh clone
+    assert first[0] == f"python3 -m venv {tmp_path / 'venv'}"
+    installs = [line for line in first if " install " in line]
+    assert len(installs) == 2
+    assert "torch==2.13.0" in installs[0] and "constraints.txt" in installs[0]  # torch first, pinned
+    assert installs[1].endswith(f"-e {ROOT}[test]")
+
+    assert _source(tmp_path, "test") == []  # same hashes, same extras: nothing to do
+    again = _source(tmp_path, "demo")  # an extra not installed yet
+    assert any(line.endswith(f"-e {ROOT}[demo]") for line in again)
+    assert _source(tmp_path, "test,demo") == []  # the stamp keeps the union of what was installed
