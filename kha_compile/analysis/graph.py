@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from .hops import inline_wrappers
 from .layout import LAYOUT_OPS, NotLayout, push_layout, shape_of
 from .params import (
     PROJ_TARGETS,
@@ -117,6 +118,7 @@ class MatchGraph:
 
     def __init__(self, exported) -> None:
         self.exported = exported
+        inline_wrappers(exported.graph_module)  # autocast / grad-mode regions: their ops, in line
         self.graph = exported.graph
         self.order = _order(self.graph)
         sig = exported.graph_signature

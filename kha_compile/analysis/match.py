@@ -53,6 +53,10 @@ class RawSite:
     mla: bool = False
     cross: bool = False
 
+    def all_roles(self) -> list[RoleMatch]:
+        """Every role match of the site."""
+        return list(self.roles.values())
+
 
 def _trig_near(node: Node, depth: int = 8) -> bool:
     frontier, seen = [node], set()

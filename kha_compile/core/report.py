@@ -54,6 +54,8 @@ class Report:
     sites: list[AttentionSite]
     trace_seconds: float = 0.0
     traced_blocks: int = 0
+    trace_path: str = "whole model"  # how the graph was captured: whole model, one block per type, per submodule
+    untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (submodule, why) not traced
 
     @property
     def matched(self) -> list[AttentionSite]:
@@ -92,7 +94,10 @@ class Report:
     def __str__(self) -> str:
         rows = [self.HEADER, *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEADER) - 1)]
-        lines = [f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped"]
+        lines = [
+            f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped "
+            f"(traced: {self.trace_path})"
+        ]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else ""))
         return "\n".join(lines).rstrip()
@@ -101,4 +106,4 @@ class Report:
         return len(self.sites)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "sites": [s.to_dict() for s in self.sites]}
+        return {"model": self.model, "trace_path": self.trace_path, "sites": [s.to_dict() for s in self.sites]}

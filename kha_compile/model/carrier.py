@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..core.errors import FoldError
+from ..core.errors import FoldError, TracedPathError
 from ..core.mixins import mixin_class, module_class_named
-from .rows import base_class, fold_rows, weight_out_axis
+from .rows import base_class, fold_rows, projection_output, weight_out_axis
 from .slots import HeadSlot, layout_plan, transform_slices
 from .strategy import check_strategy, swapped_params, use_weight_side
 from .transforms import get_transform, kind_of
@@ -91,10 +91,26 @@ class KHAProjection(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         folded = self._kha_weight_side_roles(args, kwargs)
         if not folded:  # token-side: transform the projection output
-            return self.kha_transform(super().forward(*args, **kwargs))
+            return self._kha_output(super().forward(*args, **kwargs), ())
         with swapped_params(self, self.kha_fold(folded, detach=False)):
             y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
-        return self.kha_transform(y, skip=folded)
+        return self._kha_output(y, folded)
+
+    def _kha_output(self, y: Any, skip: Sequence[str]) -> Any:
+        """Transform the projection output; a module returning a tuple (a quantized linear's
+        ``(y, scale)``) gets its projection element (:func:`projection_output`) transformed."""
+        if isinstance(y, Tensor):
+            return self.kha_transform(y, skip=skip)
+        i = projection_output(y, self._kha_out_features)
+        if i is None:
+            raise TracedPathError(
+                f"{base_class(self).__name__} returned {type(y).__name__} with no tensor of "
+                f"{self._kha_out_features} features; KHA cannot find its projection output. Re-run kc.apply "
+                "with example inputs that take this code path."
+            )
+        items = list(y)
+        items[i] = self.kha_transform(items[i], skip=skip)
+        return type(y)(items) if type(y) in (tuple, list) else type(y)(*items)  # a namedtuple takes fields
 
     def _kha_sources(self, roles: Sequence[str]) -> list[Tensor]:
         """The tensors a fold of ``roles`` reads: weight, bias, and each role's transform parameters."""
