@@ -24,17 +24,23 @@ def check_form(
     anchor: str = "",
     kwargs: dict | None = None,
     grad: bool = True,
+    output: Callable = lambda y: y,
 ) -> nn.Module:
     """apply -> every site matched, exact identity at init, perturbation moves, exact fold (linear).
 
-    ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks).
+    ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks);
+    ``output`` picks the tensor to compare from what the model returns (e.g. ``y["logits"]``).
     """
     kwargs = kwargs or {}
     torch.manual_seed(0)
     model = make().eval()
     ctx = torch.enable_grad if grad else torch.no_grad
+
+    def run():
+        return output(model(*args, **kwargs))
+
     with ctx():
-        ref = model(*args, **kwargs).detach()
+        ref = run().detach()
     kc.apply(model, kc.KHAConfig(v=v), example_args=args, example_kwargs=kwargs)
     report = kc.inspect(model, example_args=args, example_kwargs=kwargs)
     assert len(report.matched) == sites and not report.skipped, str(report)
@@ -43,15 +49,15 @@ def check_form(
     assert all(s.transforms.get("v") == v for s in report.matched), str(report)
     assert kha_params(model)
     with ctx():
-        assert torch.equal(model(*args, **kwargs), ref)  # identity at init, exactly
+        assert torch.equal(run(), ref)  # identity at init, exactly
     perturb(model)
     with ctx():
-        moved = model(*args, **kwargs).detach()
+        moved = run().detach()
     assert (moved - ref).abs().max() > 1e-3
     if v == "linear":
         kc.fold(model)
         assert not kha_params(model)
         with ctx():
-            folded = model(*args, **kwargs)
+            folded = run()
         torch.testing.assert_close(folded, moved, rtol=1e-5, atol=1e-5)
     return model

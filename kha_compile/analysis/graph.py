@@ -23,6 +23,7 @@ from .params import (
     PROJ_TARGETS,
     ParamPiece,
     bias_pieces,
+    feature_axis_last,
     param_chain,
     post_bias,
     projection_info,
@@ -33,6 +34,7 @@ from .params import (
 __all__ = [
     "ALLOC_OPS",
     "COPY_OPS",
+    "META_ARGS",
     "NORM_OPS",
     "PROJ_OPS",
     "SDPA_OPS",
@@ -64,6 +66,8 @@ NORM_OPS = {
 }
 TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 COPY_OPS = {aten.copy_.default, aten.copy.default}
+# ops that read only the dtype / shape of their arguments after the first
+META_ARGS = {aten.type_as.default, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default}
 ALLOC_OPS = {
     aten.new_empty.default,
     aten.new_zeros.default,
@@ -156,13 +160,25 @@ class MatchGraph:
                     self.written_by.setdefault(src, []).append(base)
 
     def inputs(self, n: Node) -> list[Node]:
-        own = [] if n.op == "call_function" and n.target in ALLOC_OPS else list(n.all_input_nodes)
+        """The inputs whose values flow into ``n`` (not those it reads only the dtype or shape of)."""
+        if n.op == "call_function" and n.target in ALLOC_OPS:
+            own: list[Node] = []
+        elif n.op == "call_function" and n.target in META_ARGS:  # x.type_as(v): only x's values
+            own = [a for a in n.args[:1] if isinstance(a, Node)]
+        else:
+            own = list(n.all_input_nodes)
         return own + self.writes.get(n, [])
 
     def users(self, n: Node) -> list[Node]:
-        return [u for u in n.users if not (u.op == "call_function" and u.target in ALLOC_OPS)] + self.written_by.get(
-            n, []
-        )
+        """The users that take the values of ``n`` (see :meth:`inputs`)."""
+        out = [
+            u
+            for u in n.users
+            if not (
+                u.op == "call_function" and (u.target in ALLOC_OPS or (u.target in META_ARGS and u.args[0] is not n))
+            )
+        ]
+        return out + self.written_by.get(n, [])
 
     # -- projections ---------------------------------------------------------------------
     def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
@@ -202,7 +218,13 @@ class MatchGraph:
         """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
         for x, w, axes, out_index in projection_info(node):  # noqa: B007 - used after the break
             piece = weight_source(w, axes, self.params, self.constants)
-            if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
+            # x @ W: the weight is the parameter; for linear the weight is positional, so x may be made of
+            # parameters too (a learned query token expanded over the batch)
+            if (
+                piece is not None
+                and ".kha." not in f".{piece.name}"
+                and (node.target is aten.linear.default or not self.is_param(x))
+            ):
                 break
         else:
             return None
@@ -213,7 +235,7 @@ class MatchGraph:
         proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
         bias = (
             node.args[2]
-            if node.target is aten.linear.default and len(node.args) > 2
+            if node.target in (aten.linear.default, aten.conv1d.default) and len(node.args) > 2
             else node.args[0]
             if node.target is aten.addmm.default
             else None
@@ -222,7 +244,8 @@ class MatchGraph:
         if after is not None and self.is_param(after):
             bias = after
         if isinstance(bias, Node):
-            pieces, why = bias_pieces(bias, out_index, int(piece.feature_map.numel()), self.params, self.buffers)
+            index = feature_axis_last(node, out_index)  # a conv's bias runs along its channel axis
+            pieces, why = bias_pieces(bias, index, int(piece.feature_map.numel()), self.params, self.buffers)
             proj.pieces.extend(pieces)
             proj.pieces_reason = why
         if not proj.is_module_call:

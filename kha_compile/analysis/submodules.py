@@ -29,7 +29,7 @@ from torch.utils import _pytree
 
 from ..core.errors import AnalysisError, KHAError, TraceError
 from .match import RawSite, find_sites
-from .trace import Capture, block_signature, capture, index_attrs
+from .trace import Capture, block_signature, capture, index_attrs, no_cache
 
 __all__ = ["capture_submodules", "prefix_sites", "record_calls", "trace_and_match", "why_trace_failed"]
 
@@ -101,7 +101,7 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple
     fastpath = torch.backends.mha.get_fastpath_enabled()
     try:
         torch.backends.mha.set_fastpath_enabled(False)  # MHA's own calls run, so they are recorded
-        with torch.no_grad():
+        with torch.no_grad(), no_cache(model):  # no cache object that the layers fill as they run
             model(*args, **kwargs)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)

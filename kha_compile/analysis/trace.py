@@ -20,7 +20,7 @@ from torch import nn
 
 from ..core.errors import TraceError
 
-__all__ = ["Capture", "block_signature", "called_modules", "capture", "index_attrs", "unrun_modules"]
+__all__ = ["Capture", "block_signature", "called_modules", "capture", "index_attrs", "no_cache", "unrun_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs):
+        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs), no_cache(model):
             unrun: list[str] = []
             try:
                 with _representatives(model, dedupe_blocks) as groups:
@@ -203,6 +203,26 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
     return Capture(ep, groups, seconds, path)
+
+
+@contextlib.contextmanager
+def no_cache(model: nn.Module) -> Iterator[None]:
+    """``config.use_cache = False`` for the trace (a transformers model whose forward does not name
+    ``use_cache`` still reads it from its config; a cache object in the output is no pytree)."""
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if not isinstance(old, bool) or not old:
+        yield
+        return
+    try:
+        config.use_cache = False  # type: ignore[union-attr]
+    except Exception:  # a frozen config: leave it
+        yield
+        return
+    try:
+        yield
+    finally:
+        config.use_cache = old  # type: ignore[union-attr]
 
 
 def called_modules(model: nn.Module, exported: Any) -> set[int]:

@@ -30,6 +30,16 @@ class AttentionSite:
     anchor: str = ""  # "sdpa" | "manual_softmax"
     transforms: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "linear" | "mlp"
     note: str = ""  # e.g. why a requested transform was changed
+    # role -> the other projections feeding it (joint streams: "cat" along the sequence; sums: "sum"),
+    # each applying the same shared transform as the role's own projection
+    joint: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    join: dict[str, str] = dataclasses.field(default_factory=dict)
+    found: list[str] = dataclasses.field(default_factory=list)  # skipped: roles traced back to a projection
+
+    def projections(self, role: str) -> list[str]:
+        """Every projection module path of ``role``: its own, then those of joint streams."""
+        own = getattr(self, f"{role}_proj")
+        return ([own] if own else []) + list(self.joint.get(role, []))
 
     @property
     def matched(self) -> bool:
@@ -70,7 +80,7 @@ class Report:
         for s in self.sites:
             if s.matched:
                 tf = ",".join(f"{r}:{k}" for r, k in sorted(s.transforms.items())) or "-"
-                projs = "/".join(sorted({p.rpartition(".")[2] for p in (s.q_proj, s.k_proj, s.v_proj) if p}))
+                projs = "/".join(sorted({p.rpartition(".")[2] for r in "qkv" for p in s.projections(r)}))
                 rows.append(
                     [
                         s.name,

@@ -171,9 +171,8 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     inv = torch.empty_like(feats)
     inv[feats] = torch.arange(feats.numel())
     node = m.projection.node
-    post = node.target not in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default) and any(
-        p.kind != "weight" for p in m.projection.pieces
-    )
+    inside = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.conv1d.default)
+    post = node.target not in inside and any(p.kind != "weight" for p in m.projection.pieces)
     return axes, inv[m.head_map.index], post
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
 from ..analysis.trace import Capture
+from ..core.errors import UnsupportedModelError
 from ..core.kinds import Role, SiteKind
 from ..core.report import AttentionSite
 from ..model.carrier import transforms_of
@@ -59,7 +60,11 @@ def build_sites(
         copies = _copies(raw, cap)
         if raw.reason or set(raw.roles) != {"q", "k", "v"}:
             for name, _ in copies:
-                sites.append(AttentionSite(name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor))
+                sites.append(
+                    AttentionSite(
+                        name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor, found=sorted(raw.roles)
+                    )
+                )
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
         kind: SiteKind = (
@@ -87,11 +92,19 @@ def build_sites(
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
             else:
                 slots[r] = s
+        joint, why = plan_joint(model, raw, kinds)  # joint streams / sums: the other projections of a role
+        bad.extend(why)
+        bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
-                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor))
+                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
+            paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
+            others = {
+                r: [rename(p) for p in dict.fromkeys(m.projection.module_path for m in ms) if p != paths_own[r]]
+                for r, ms in raw.joint.items()
+            }
             site = AttentionSite(
                 name,
                 "matched",
@@ -107,6 +120,8 @@ def build_sites(
                 qk_norm=q.qk_norm or k.qk_norm,
                 anchor=raw.anchor,
                 note=note,
+                joint=others,
+                join=dict(raw.join),
             )
             current_transforms(model, site, paths)
             notes = [
@@ -136,7 +151,93 @@ def build_sites(
                     continue
                 entry.slots.append(slots[r])
                 entry.kinds[r] = tk
+            for r, js in joint.items():
+                for jpath, jhandler, jslot, width in js:
+                    _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
     return sites, list(plan.values())
+
+
+def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
+    """Roles that read the same output features of one projection (K = V, shared QK): a transform
+    there would change both, which is not KHA, so the site is skipped."""
+    out = []
+    for r1, r2 in (("q", "k"), ("k", "v"), ("q", "v")):
+        a, b = raw.roles[r1], raw.roles[r2]
+        if a.projection.node is not b.projection.node or not (r1 in kinds or r2 in kinds):
+            continue
+        common = set(a.head_map.index.flatten().tolist()) & set(b.head_map.index.flatten().tolist())
+        if common:
+            out.append(
+                f"{r1} and {r2} are the same features of {a.projection.module_path or a.projection.param} "
+                f"({r1} = {r2}); a KHA transform on one would change the other"
+            )
+    return out
+
+
+def plan_joint(
+    model: nn.Module, raw: RawSite, kinds: dict[str, str]
+) -> tuple[dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]], list[str]]:
+    """(role -> [(path, handler, slot, out features)] of the other projections sharing its transform, problems).
+
+    A projection that is the role's own (the same module called again, e.g. on global tokens) needs
+    nothing more. The others must be module calls (``linear``, ``conv1d``) with an affine layout;
+    a value that is a sum gets no MLP-value (not linear).
+    """
+    out: dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]] = {}
+    bad: list[str] = []
+    for r, matches in raw.joint.items():
+        if r not in kinds:
+            continue
+        own = raw.roles[r].projection.module_path
+        if raw.join.get(r) == "sum" and not get_transform(kinds[r]).foldable:
+            names = ", ".join([own, *(m.projection.module_path for m in matches)])
+            bad.append(
+                f"{r}: the head vector is a sum of projections ({names}); {kinds[r]} KHA is not linear, so it "
+                "cannot go after each of them (a linear kind can)"
+            )
+            continue
+        for m in matches:
+            path = m.projection.module_path
+            if path == own:
+                continue  # one projection module called on several token sets: its carrier covers every call
+            handler, why = choose_handler(model, m)
+            if handler is None or not handler.module_call or handler.plans_roles:
+                bad.append(
+                    f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
+                    f"a transform with ({why or (handler.name if handler else 'no handler')})"
+                )
+                continue
+            s = _slot(r, m, handler.param_space)
+            if s is None:
+                bad.append(f"{r}: head layout of {path} is not affine")
+                continue
+            out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))
+    return out, bad
+
+
+def _add_borrower(
+    plan: dict[str, PlanEntry],
+    path: str,
+    handler: ProjectionHandler,
+    slot: HeadSlot,
+    width: int,
+    kind: str,
+    owner: str,
+    cfg: KHAConfig | None,
+) -> None:
+    entry = plan.setdefault(
+        path, PlanEntry(path, handler.name, [], {}, width, cfg.strategy if cfg is not None else "auto")
+    )
+    if slot.role in entry.kinds:
+        return
+    if entry.kinds.keys() - entry.borrow.keys():
+        raise UnsupportedModelError(
+            f"{path} carries KHA of its own and shares another projection's for {slot.role} (joint "
+            "streams in an order kha_compile does not support); pass a KHAConfig without that role."
+        )
+    entry.slots.append(slot)
+    entry.kinds[slot.role] = kind
+    entry.borrow[slot.role] = owner
 
 
 def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]]:

@@ -35,6 +35,7 @@ __all__ = [
     "carries_kha",
     "detach",
     "handler_name",
+    "is_borrower",
     "is_kha_projection",
     "kha_class_for",
     "kha_modules",
@@ -198,13 +199,21 @@ def is_kha_projection(module: nn.Module) -> bool:
 
 
 def carries_kha(module: nn.Module) -> bool:
-    """True when ``module`` holds KHA transforms (a ``kha`` child), whichever handler attached them."""
-    return isinstance(module._modules.get("kha"), KHATransforms)
+    """True when ``module`` holds KHA transforms (a ``kha`` child, or transforms it shares with
+    another projection of a joint attention), whichever handler attached them."""
+    return isinstance(module._modules.get("kha"), KHATransforms) or is_borrower(module)
+
+
+def is_borrower(module: nn.Module) -> bool:
+    """True when ``module`` applies transforms registered in another projection (joint streams)."""
+    return isinstance(module.__dict__.get("kha"), KHATransforms)
 
 
 def transforms_of(module: nn.Module) -> KHATransforms:
-    """The ``kha`` child of a module that carries KHA (an empty one for a module that does not)."""
+    """The ``kha`` transforms of a module that carries KHA (an empty set for a module that does not)."""
     kha = module._modules.get("kha")
+    if not isinstance(kha, KHATransforms):
+        kha = module.__dict__.get("kha")
     return kha if isinstance(kha, KHATransforms) else KHATransforms()
 
 
@@ -238,12 +247,15 @@ def attach(
     weight_axis: int | str | None = "probe",
     mixin: type = KHAProjection,
     transforms: KHATransforms | None = None,
+    borrowed: bool = False,
 ) -> nn.Module:
     """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device.
 
     ``weight_axis``: the axis of ``module.weight`` that indexes output features ("probe": told by
     :func:`~kha_compile.model.rows.weight_out_axis`). ``transforms``: existing ones to carry (PEFT's
-    unload moves them between modules) instead of new ones at identity.
+    unload moves them between modules) instead of new ones at identity. ``borrowed``: the transforms
+    are another projection's (joint streams share one per role): held, not registered, so each
+    parameter has one name; fold folds them into this projection too.
 
     Example::
 
@@ -258,7 +270,10 @@ def attach(
     if weight_axis == "probe":
         weight_axis = weight_out_axis(module, out_features)
     module.__class__ = kha_class_for(type(module), mixin)
-    module.kha = transforms
+    if borrowed:
+        module.__dict__["kha"] = transforms  # a reference, not a child: the owner registers the parameters
+    else:
+        module.kha = transforms
     d = module.__dict__  # plain attributes (not parameters or modules)
     d["_kha_slots"] = tuple(slots)
     d["_kha_out_features"] = out_features

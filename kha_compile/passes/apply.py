@@ -70,7 +70,12 @@ def _nothing_found(model: nn.Module, report: Report) -> str:
     unknown = [s for s in report.skipped if s.anchor == "unregistered"]
     known = [s for s in report.skipped if s.anchor != "unregistered"]
     if known:
-        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known)
+        near = max(known, key=lambda s: len(s.found))  # the candidate whose walk got furthest
+        found = f"{', '.join(near.found)} traced back to projections" if near.found else "no role traced back"
+        what += (
+            f"\nNearest candidate: {near.name} (rule {near.anchor}; {found}); the walk stopped: {near.reason}"
+            "\nAttention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known[:12])
+        )
     if unknown:
         what += (
             "\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.fx import Node
 
-from ..layout import shape_of
+from ..layout import NotLayout, shape_of
+from ..params import einsum_subscripts
 from . import register_rule
 from .base import Anchor
 
@@ -35,17 +36,23 @@ def _parse(node: Node) -> tuple[list[str], str, list[Node]] | None:
     if (
         not isinstance(eq, str)
         or "->" not in eq
-        or "..." in eq
         or not isinstance(operands, (list, tuple))
         or len(operands) != 2
         or not all(isinstance(o, Node) for o in operands)
     ):
         return None
-    lhs, out = eq.replace(" ", "").split("->")
-    ins = lhs.split(",")
+    ops = [cast(Node, o) for o in operands]
+    shapes = [shape_of(o) for o in ops]
+    out_shape = shape_of(node)
+    if any(s is None for s in shapes) or out_shape is None:
+        return None
+    try:  # '...' (block-local attention over (B, blocks, ...)) becomes stand-in letters
+        ins, out = einsum_subscripts(eq, [len(s) for s in shapes if s is not None], len(out_shape))
+    except NotLayout:
+        return None
     if len(ins) != 2:
         return None
-    return ins, out, [cast(Node, o) for o in operands]
+    return ins, out, ops
 
 
 def _contracted(ins: list[str], out: str) -> list[str]:
@@ -77,7 +84,7 @@ class EinsumSoftmaxRule:
         qs, ks = shape_of(q), shape_of(k)
         if qs is None or ks is None:
             return Anchor(node, self.name, {}, {}, "score einsum inputs have symbolic shapes")
-        value = self._value(node)
+        value = self._value(g, node)
         if value is None:
             return Anchor(
                 node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it"
@@ -87,8 +94,9 @@ class EinsumSoftmaxRule:
         vs = shape_of(v)
         if len(vdims) != 1 or vs is None:
             return Anchor(node, self.name, {}, {}, f"value einsum {vnode.name} does not leave one head dim of v")
-        dims = {"q": qs[sq.index(c[0])], "k": ks[sk.index(c[0])], "v": vs[sv.index(vdims[0])]}
-        return Anchor(vnode, self.name, {"q": q, "k": k, "v": v}, dims)
+        axes = {"q": sq.index(c[0]), "k": sk.index(c[0]), "v": sv.index(vdims[0])}
+        dims = {"q": qs[axes["q"]], "k": ks[axes["k"]], "v": vs[axes["v"]]}
+        return Anchor(vnode, self.name, {"q": q, "k": k, "v": v}, dims, head_axes=axes)
 
     @staticmethod
     def _score(g: MatchGraph, softmax: Node) -> Any:
@@ -99,7 +107,7 @@ class EinsumSoftmaxRule:
                 if not isinstance(n, Node) or n.op != "call_function":
                     continue
                 parsed = _parse(n)
-                if parsed is not None and not any(o.name in g.params for o in parsed[2]):
+                if parsed is not None and not any(g.is_param(o) for o in parsed[2]):
                     ins, out, ops = parsed
                     return (ins[0], ins[1]), out, (ops[0], ops[1])
                 if n.target in _SOFTMAX:
@@ -111,16 +119,20 @@ class EinsumSoftmaxRule:
         return None
 
     @staticmethod
-    def _value(softmax: Node) -> Any:
+    def _value(g: MatchGraph, softmax: Node) -> Any:
+        """The einsum of the probabilities with v (either operand order); an einsum with a parameter
+        (talking heads: ``einsum("bhij,hg->bgij", p, W)`` mixes the heads) is stepped over."""
         frontier = [softmax]
-        for _ in range(6):  # dropout, casts, head masks
+        for _ in range(6):  # dropout, casts, head masks, head mixing
             nxt: list[Node] = []
             for n in frontier:
                 for user in n.users:
                     parsed = _parse(user)
-                    if parsed is not None and parsed[2][0] is n:
+                    if parsed is not None and n in parsed[2]:
                         ins, out, ops = parsed
-                        return user, (ins[0], ins[1]), out, ops[1]
+                        i = ops.index(n)
+                        if not g.is_param(ops[1 - i]):
+                            return user, (ins[i], ins[1 - i]), out, ops[1 - i]
                     if user.op == "call_function" and user.target not in _SOFTMAX:
                         nxt.append(user)
             if not nxt:
