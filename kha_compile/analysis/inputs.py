@@ -77,8 +77,8 @@ def example_inputs(
 
     if _is_hf_pretrained(model):
         main = getattr(model, "main_input_name", "input_ids")
-        if main not in ("input_ids", "pixel_values") and _accepts(model, "input_ids") and _has_vocab(model.config):
-            main = "input_ids"  # e.g. Perceiver's masked LM: main input "inputs", but it takes input_ids too
+        if main == "inputs" and _accepts(model, "input_ids") and _has_vocab(model.config):
+            main = "input_ids"  # a generic main input (Perceiver's masked LM) that also takes token ids
         if main == "input_ids":
             kwargs = _text_inputs(model, batch_size, seq_len, device, gen)
             if getattr(model.config, "is_encoder_decoder", False) and _accepts(model, "decoder_input_ids"):

@@ -45,7 +45,7 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
     if isinstance(val, torch.Tensor):
         try:
             return tuple(int(s) for s in val.shape)
-        except (TypeError, ValueError):  # symbolic sizes
+        except Exception:  # symbolic sizes; an unbacked (data-dependent) size raises a guard error
             return None
     return None
 

@@ -35,6 +35,7 @@ __all__ = [
     "PROJ_TARGETS",
     "ParamPiece",
     "bias_pieces",
+    "conv_groups",
     "einsum_subscripts",
     "feature_axis_last",
     "param_chain",
@@ -172,7 +173,8 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
 
 
 def _pointwise_conv(node: Node, out_shape: tuple[int, ...]) -> list[tuple[Node, Node, tuple[int, ...], Tensor]]:
-    """``conv1d`` with kernel 1 (stride 1, no padding, one group): features on the channel axis."""
+    """``conv1d`` with kernel 1 (stride 1, no padding): features on the channel axis. A grouped one
+    (SqueezeBERT) is a block-diagonal linear; :func:`conv_groups` tells the handler its groups."""
     x, w = node.args[0], node.args[1]
     ws = shape_of(w)
     rest = list(node.args[3:]) + [None] * 4
@@ -186,13 +188,21 @@ def _pointwise_conv(node: Node, out_shape: tuple[int, ...]) -> list[tuple[Node, 
         or stride not in (None, 1, [1], (1,))
         or padding not in (None, 0, [0], (0,))
         or dilation not in (None, 1, [1], (1,))
-        or groups not in (None, 1)
+        or not isinstance(groups, (int, type(None)))
     ):
         return []
     channel = len(out_shape) - 2  # (B, C, T), or (C, T) unbatched
     view = [1] * len(out_shape)
     view[channel] = ws[0]
     return [(x, w, (0,), torch.arange(ws[0]).reshape(view).expand(out_shape))]
+
+
+def conv_groups(node: Node) -> int:
+    """The number of groups of a ``conv1d`` projection node (1 for any other op)."""
+    if node.target is not aten.conv1d.default or len(node.args) < 7:
+        return 1
+    groups = node.args[6]
+    return groups if isinstance(groups, int) else 1
 
 
 def feature_axis_last(node: Node, out_index: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from ..core.errors import AnalysisError, KHAError, TraceError
+from .graph import module_path_of
 from .match import RawSite, find_sites
 from .trace import Capture, block_signature, capture, index_attrs, no_cache
 
@@ -118,8 +119,12 @@ def prefix_sites(raw: list[RawSite], prefix: str) -> list[RawSite]:
     def add(path: str) -> str:
         return f"{prefix}.{path}" if path else prefix
 
+    at_root = [site for site in raw if not module_path_of(site.node)]
     for site in raw:
-        site.name = add(site.name)
+        if len(at_root) == 1 and site is at_root[0]:  # the submodule's own attention: named like the module
+            site.name = prefix
+        else:
+            site.name = add(site.name)
         for matches in site.all_roles():
             proj = matches.projection
             proj.param = add(proj.param)
@@ -212,6 +217,19 @@ def _representatives(
     return sorted(chosen, key=lambda c: int(c[0]))
 
 
+def _outside_blocks(cap: Capture, raw: list[RawSite]) -> str:
+    """The first site whose projections sit in another repeated block (or one) than the site itself."""
+    if not cap.groups:
+        return ""
+    for site in raw:
+        where = cap.group_of(site.name)
+        for m in site.all_roles():
+            here = cap.group_of(m.projection.module_path or m.projection.param)
+            if here is not None and here != where:
+                return site.name
+    return ""
+
+
 def trace_and_match(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Capture, list[RawSite]]:
     """The capture of ``model`` and the sites found in it: whole, or per submodule where that fails.
 
@@ -229,7 +247,16 @@ def trace_and_match(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captur
         except TraceError:
             raise exc from exc.__cause__  # the whole-model reason; the model's own forward fails too
     try:
-        return cap, find_sites(cap.exported)
+        raw = find_sites(cap.exported)
+        outside = _outside_blocks(cap, raw)
+        if outside:
+            # an attention outside the repeated blocks uses their projections (the parent loops over the
+            # list itself): the cut-down list hid the other copies, so trace every block
+            log.info("%s: %s uses projections of a repeated block; tracing every block", type(model).__name__, outside)
+            cap = capture(model, args, kwargs, dedupe_blocks=False)
+            cap.path = f"whole model ({outside} uses the projections of a repeated block)"
+            raw = find_sites(cap.exported)
+        return cap, raw
     except KHAError:
         raise
     except Exception as exc:  # the match on the whole graph failed (a data-dependent shape, ...)

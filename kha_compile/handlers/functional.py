@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..analysis.match import RoleMatch
+from ..analysis.params import conv_groups
 from ..core.errors import AlreadyAppliedError, InternalError
 from ..model.carrier import KHATransforms, is_kha_projection, make_transform, set_handler, transforms_of
 from ..model.parametrized import (
@@ -109,6 +110,15 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
     proj = m.projection
     if proj.is_module_call and proj.features_last:
         return False, ""
+    groups = conv_groups(proj.node)
+    if groups > 1:  # a grouped pointwise conv: block-diagonal, so a head must read one group of inputs
+        per_group = int(proj.feature_map.numel()) // groups
+        group_of_head = m.head_map.index // per_group
+        if bool((group_of_head != group_of_head[:, :1]).any()):
+            return False, (
+                f"{m.role}: the heads of {proj.param} span several of its {groups} conv groups; a shared "
+                "transform would mix output channels that read different inputs"
+            )
     if proj.pieces_reason:
         return False, f"{m.role}: {proj.pieces_reason} (projection on {proj.param})"
     slots, why = _param_slots(m)

@@ -76,7 +76,9 @@ def build_sites(
                 "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
             )
         )
-        handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
+        # handlers look at the real modules: the traced paths of a repeated block name its first copy
+        first = copies[0][1]
+        handlers = {r: choose_handler(model, _realized(raw.roles[r], first)) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
         note = MLA_NOTE if kind == "mla" else ""
@@ -92,7 +94,7 @@ def build_sites(
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
             else:
                 slots[r] = s
-        joint, why = plan_joint(model, raw, kinds)  # joint streams / sums: the other projections of a role
+        joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
         bad.extend(why)
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
@@ -174,8 +176,16 @@ def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
     return out
 
 
+def _realized(m: RoleMatch, rename: Callable[[str], str]) -> RoleMatch:
+    """``m`` with the module and parameter paths of the real model (``rename`` of the traced ones)."""
+    proj = m.projection
+    pieces = [dataclasses.replace(p, name=rename(p.name)) for p in proj.pieces]
+    real = dataclasses.replace(proj, param=rename(proj.param), module_path=rename(proj.module_path), pieces=pieces)
+    return dataclasses.replace(m, projection=real)
+
+
 def plan_joint(
-    model: nn.Module, raw: RawSite, kinds: dict[str, str]
+    model: nn.Module, raw: RawSite, kinds: dict[str, str], rename: Callable[[str], str] = lambda p: p
 ) -> tuple[dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]], list[str]]:
     """(role -> [(path, handler, slot, out features)] of the other projections sharing its transform, problems).
 
@@ -200,7 +210,7 @@ def plan_joint(
             path = m.projection.module_path
             if path == own:
                 continue  # one projection module called on several token sets: its carrier covers every call
-            handler, why = choose_handler(model, m)
+            handler, why = choose_handler(model, _realized(m, rename))
             if handler is None or not handler.module_call or handler.plans_roles:
                 bad.append(
                     f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
@@ -252,9 +262,11 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
         real_prefix = f"{list_path}.{orig}."
 
         def rename(p: str, a: str = traced_prefix, b: str = real_prefix) -> str:
+            if p == a[:-1]:  # the block itself (a weight used functionally in the block's own forward)
+                return b[:-1]
             return b + p[len(a) :] if p.startswith(a) else p
 
-        out.append((rename(raw.name + ".")[:-1], rename))
+        out.append((rename(raw.name), rename))
     return out
 
 
