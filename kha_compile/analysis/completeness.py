@@ -85,11 +85,31 @@ def _why(g: MatchGraph, softmax: Node, product: Node) -> str:
     eq = product.args[0] if product.target is aten.einsum.default else None
     if isinstance(eq, str) and "..." in eq:
         detail = f"the einsum {eq!r} uses '...', which the einsum_softmax rule does not read"
+    elif _split_probs(softmax):
+        detail = (
+            "its probabilities are cut into pieces along the key axis (local and global tokens), each "
+            "multiplied with its own values; no rule reads that split form"
+        )
     elif shape is not None and len(shape) > 4:
         detail = f"the scores have {len(shape)} axes (block-local attention?), which no rule reads"
     else:
         detail = "no attention rule recognises this form (no value product found after it)"
     return f"{what} looks like attention, but {detail}; its q, k, v were not traced back to projections"
+
+
+def _split_probs(softmax: Node, depth: int = 4) -> bool:
+    """The softmax output (through dropout and casts) is sliced along its last axis."""
+    frontier = [softmax]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.target is aten.slice.Tensor and u.args[1] in (-1, len(shape_of(n) or ()) - 1):
+                    return True
+                if u.op == "call_function" and len(u.all_input_nodes) == 1:
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def unclaimed(g: MatchGraph, claimed: set[Node]) -> list[Anchor]:

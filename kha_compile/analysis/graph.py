@@ -113,6 +113,24 @@ def module_path_of(node: Node) -> str:
     return list(stack.values())[-1][0]
 
 
+def _canonical_names(
+    graph: torch.fx.Graph, params: dict[str, str], buffers: dict[str, str], aliases: dict[str, str]
+) -> None:
+    def member(name: str) -> str:
+        owner, _, attr = name.rpartition(".")
+        return f"{aliases[owner]}.{attr}" if owner in aliases else name
+
+    for table in (params, buffers):
+        for key, name in table.items():
+            table[key] = member(name)
+    for key in [k for k in aliases if k.startswith("=")]:  # tied parameters: under their first-path names
+        aliases["=" + member(key[1:])] = "|".join(member(n) for n in aliases[key].split("|"))
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (aliases.get(p, p), t) for k, (p, t) in stack.items()}
+
+
 def _tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor) or n.op == "call_function"]
 
@@ -120,7 +138,7 @@ def _tensor_inputs(node: Node) -> list[Node]:
 class MatchGraph:
     """Lookups over one exported program that every rule shares."""
 
-    def __init__(self, exported) -> None:
+    def __init__(self, exported, aliases: dict[str, str] | None = None) -> None:
         self.exported = exported
         inline_wrappers(exported.graph_module)  # autocast / grad-mode regions: their ops, in line
         self.graph = exported.graph
@@ -128,6 +146,9 @@ class MatchGraph:
         sig = exported.graph_signature
         self.params: dict[str, str] = dict(sig.inputs_to_parameters)
         self.buffers: dict[str, str] = dict(sig.inputs_to_buffers)
+        self.aliases = aliases or {}
+        if aliases:  # one module reached by several paths: every name and module stack uses its first path
+            _canonical_names(self.graph, self.params, self.buffers, aliases)
         consts = {}
         for name, target in getattr(sig, "inputs_to_lifted_tensor_constants", {}).items():
             value = exported.constants.get(target)
@@ -228,6 +249,7 @@ class MatchGraph:
                 break
         else:
             return None
+        piece = self._local(piece, node)
         module_path = piece.name.rpartition(".")[0]
         is_call = self.is_module_output(node, module_path)
         if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
@@ -251,6 +273,16 @@ class MatchGraph:
         if not proj.is_module_call:
             proj.occurrence = self._occurrence(node, root_param(w, self.params))
         return proj
+
+    def _local(self, piece: ParamPiece, node: Node) -> ParamPiece:
+        """A tied parameter named as the module calling ``node`` holds it (the export names it once)."""
+        tied = self.aliases.get("=" + piece.name)
+        if not tied:
+            return piece
+        here = module_path_of(node)
+        names = tied.split("|")
+        local = [n for n in names if n.rpartition(".")[0] == here] or [n for n in names if n.startswith(here + ".")]
+        return dataclasses.replace(piece, name=local[0]) if local else piece
 
     def _occurrence(self, node: Node, weight: Node | None) -> int:
         """How many projection calls on ``weight`` run before ``node`` in its module call."""

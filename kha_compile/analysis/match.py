@@ -215,9 +215,12 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
     return sorted(out + extra, key=lambda a: g.order[a.node]) if extra else out
 
 
-def find_sites(exported) -> list[RawSite]:
-    """Every attention site in the graph, matched or with the reason it was skipped."""
-    g = MatchGraph(exported)
+def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]:
+    """Every attention site in the graph, matched or with the reason it was skipped.
+
+    ``aliases``: other paths of modules reachable by several -> their first path (``Capture.aliases``).
+    """
+    g = MatchGraph(exported, aliases)
     sites = []
     for anchor in _anchors(g):
         node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason

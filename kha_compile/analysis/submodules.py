@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import time
@@ -92,7 +93,14 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple
     calls: dict[int, tuple[tuple, dict]] = {}
 
     def keep(t: Any) -> Any:
-        return t.detach().clone() if isinstance(t, torch.Tensor) else t
+        if isinstance(t, torch.Tensor):
+            return t.detach().clone()
+        if isinstance(t, (nn.Module, type)) or callable(t):
+            return t
+        try:  # a cache object the forward fills as it runs: keep it as it was at this call
+            return copy.deepcopy(t)
+        except Exception:
+            return t
 
     def hook(module: nn.Module, a: tuple, kw: dict) -> None:
         if id(module) not in calls:
@@ -146,7 +154,7 @@ def _may_hold_attention(module: nn.Module) -> bool:
 def _trace_part(module: nn.Module, call: tuple[tuple, dict]) -> tuple[Capture, list[RawSite]]:
     cap = capture(module, *call)
     try:
-        raw = find_sites(cap.exported)
+        raw = find_sites(cap.exported, cap.aliases)
     except KHAError:
         raise
     except Exception as exc:  # the match on this graph failed: the caller tries the children instead
@@ -247,7 +255,7 @@ def trace_and_match(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captur
         except TraceError:
             raise exc from exc.__cause__  # the whole-model reason; the model's own forward fails too
     try:
-        raw = find_sites(cap.exported)
+        raw = find_sites(cap.exported, cap.aliases)
         outside = _outside_blocks(cap, raw)
         if outside:
             # an attention outside the repeated blocks uses their projections (the parent loops over the
@@ -255,7 +263,7 @@ def trace_and_match(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captur
             log.info("%s: %s uses projections of a repeated block; tracing every block", type(model).__name__, outside)
             cap = capture(model, args, kwargs, dedupe_blocks=False)
             cap.path = f"whole model ({outside} uses the projections of a repeated block)"
-            raw = find_sites(cap.exported)
+            raw = find_sites(cap.exported, cap.aliases)
         return cap, raw
     except KHAError:
         raise

@@ -20,7 +20,16 @@ from torch import nn
 
 from ..core.errors import TraceError
 
-__all__ = ["Capture", "block_signature", "called_modules", "capture", "index_attrs", "no_cache", "unrun_modules"]
+__all__ = [
+    "Capture",
+    "block_signature",
+    "called_modules",
+    "capture",
+    "index_attrs",
+    "module_aliases",
+    "no_cache",
+    "unrun_modules",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +92,8 @@ class Capture:
     # per-submodule tracing: (module path, program) of each traced submodule, paths relative to it
     parts: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, why)
+    # a module reachable by several paths (one block shared by two layers): other path -> its first path
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -174,6 +185,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
             try:
                 with _representatives(model, dedupe_blocks) as groups:
                     ep = _export_grad_or_not(model, t_args, t_kwargs)
+                    aliases = module_aliases(model)
                     if groups:
                         unrun = unrun_modules(model, ep)
                 path = "one block per type" if groups else "whole model"
@@ -184,6 +196,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
                 log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
                 groups = {}
                 ep = _export_grad_or_not(model, t_args, t_kwargs)
+                aliases = module_aliases(model)
                 path = "whole model (the one-block-per-type trace failed)"
             if unrun:
                 # a representative did not run a block its copies may run (zip(attns, resnets[1:]) over a
@@ -196,13 +209,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
                 )
                 groups = {}
                 ep = _export_grad_or_not(model, t_args, t_kwargs)
+                aliases = module_aliases(model)
                 path = f"whole model ({unrun[0]} did not run in the one-block-per-type trace)"
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(was_training)
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
-    return Capture(ep, groups, seconds, path)
+    return Capture(ep, groups, seconds, path, aliases=aliases)
 
 
 @contextlib.contextmanager
@@ -223,6 +237,27 @@ def no_cache(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         config.use_cache = old  # type: ignore[union-attr]
+
+
+def module_aliases(model: nn.Module) -> dict[str, str]:
+    """Every other path of a module reachable by several (a block shared by two layers) -> its first path;
+    and ``"=" + name`` -> ``"|"``-joined names of a parameter tied between modules.
+
+    Example::
+
+        module_aliases(model)    # {"layers.2.shared": "layers.1.shared", "layers.2.shared.q": ...}
+    """
+    first = {id(m): p for p, m in model.named_modules()}
+    aliases = {p: first[id(m)] for p, m in model.named_modules(remove_duplicate=False) if first[id(m)] != p}
+    names: dict[int, list[str]] = {}
+    for p, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(p)
+    for group in names.values():  # a parameter tied between modules (not one module on two paths)
+        owners = {aliases.get(n.rpartition(".")[0], n.rpartition(".")[0]) for n in group}
+        if len(owners) > 1:
+            for n in group:
+                aliases["=" + n] = "|".join(group)
+    return aliases
 
 
 def called_modules(model: nn.Module, exported: Any) -> set[int]:
@@ -267,8 +302,8 @@ def unrun_modules(model: nn.Module, exported: Any) -> list[str]:
     out = []
     for path, module in model.named_modules():
         own = list(module.parameters(recurse=False))
-        if id(module) in called or not own or any(id(p) in used for p in own):
-            continue
+        if id(module) in called or not own or any(id(p) in used for p in own) or ".kha." in f".{path}.":
+            continue  # KHA's own transforms of a parametrized weight are read when the weight is
         out.append(path)
     return out
 

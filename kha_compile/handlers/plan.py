@@ -156,7 +156,34 @@ def build_sites(
             for r, js in joint.items():
                 for jpath, jhandler, jslot, width in js:
                     _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
+    _share_tied(model, plan)
     return sites, list(plan.values())
+
+
+def _share_tied(model: nn.Module, plan: dict[str, PlanEntry]) -> None:
+    """Projection modules whose weight is one tied parameter (Zamba2's shared blocks) share one
+    transform per role: the first registers it, the others hold it, so fold stays exact."""
+    first: dict[int, PlanEntry] = {}
+    root: dict[str, str] = {}
+    for entry in plan.values():
+        if entry.borrow or entry.extra is not None:  # functional entries parametrize; not shared here
+            continue
+        try:
+            weight = model.get_submodule(entry.module_path).get_parameter("weight")
+        except AttributeError:
+            continue
+        owner = first.setdefault(id(weight), entry)
+        if owner is entry:
+            continue
+        if owner.kinds != entry.kinds or sorted(map(str, owner.slots)) != sorted(map(str, entry.slots)):
+            raise UnsupportedModelError(
+                f"{entry.module_path} and {owner.module_path} share one weight but would get different KHA "
+                f"({entry.kinds} vs {owner.kinds}); their transforms could not be folded into it."
+            )
+        entry.borrow = dict.fromkeys(entry.kinds, owner.module_path)
+        root[entry.module_path] = owner.module_path
+    for entry in plan.values():  # a projection that borrowed from a tied one borrows from its owner
+        entry.borrow = {r: root.get(p, p) for r, p in entry.borrow.items()}
 
 
 def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
