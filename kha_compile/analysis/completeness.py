@@ -51,7 +51,7 @@ def _softmax_dim(node: Node) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
-def score_product(g: MatchGraph, softmax: Node, depth: int = 12) -> Node | None:
+def score_product(g: MatchGraph, softmax: Node, depth: int = 48) -> Node | None:
     """The product of two activations whose scores ``softmax`` normalises, or None."""
     frontier: list[Any] = [softmax.args[0]]
     seen: set[Node] = set()
