@@ -168,6 +168,12 @@ FORMS = [
                 "local_and_global_tokens",
                 "CPU and GPU",
             ),
+            (
+                "local and global tokens with their own projections: scores joined, probabilities cut (PEGASUS-X)",
+                "einsum_softmax",
+                "local_and_global_split_probabilities",
+                "CPU and GPU",
+            ),
             ("one layer reused in a loop (one site per call)", "sdpa", "layer_reused_in_a_loop", "CPU and GPU"),
             (
                 "projection modules returning a tuple (a quantized linear's `(y, scale)`)",

@@ -783,3 +783,56 @@ class ViTNet(nn.Module):
             q, k = ([torch.cat([h[:, :1], rope(h[:, 1:])], dim=1) for h in t] for t in (q, k))
             x = x + lin(sd, f"{p}.proj", attend(q, k, v))
         return x
+
+
+# ---- 16. local plus global tokens with their own projections, scores joined, probabilities split ---
+
+
+class SplitBlock(SelfAttn):
+    """PEGASUS-X / Longformer style: global tokens (block means) have their own k and v projections;
+    the local and global scores are concatenated along the key axis, the probabilities cut again and
+    each piece multiplied with its own values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k_glob, self.v_glob = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        nb = s // BLOCK
+        side = x.view(b, nb, BLOCK, D).mean(2)  # (B, G, D)
+        q, kl, vl = (m(x).view(b, nb, BLOCK, H, DH) for m in (self.q, self.k, self.v))
+        kg, vg = (m(side).view(b, nb, H, DH) for m in (self.k_glob, self.v_glob))  # (B, G, H, Dh)
+        scores = torch.cat(
+            [torch.einsum("bnqhd,bghd->bnhqg", q, kg), torch.einsum("bnqhd,bnkhd->bnhqk", q, kl)], dim=-1
+        )
+        p = torch.softmax(scores / math.sqrt(DH), dim=-1)  # (B, nb, H, BLOCK, G + BLOCK)
+        o = torch.einsum("bnhqg,bghd->bnqhd", p[..., :nb], vg) + torch.einsum("bnhqk,bnkhd->bnqhd", p[..., nb:], vl)
+        return x + self.o(o.reshape(b, s, D))
+
+
+class SplitNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SplitBlock(), SplitBlock()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        b, s, _ = x.shape
+        nb = s // BLOCK
+        for i in range(2):
+            p = f"blocks.{i}"
+            blocks, side = x.view(b, nb, BLOCK, D), x.view(b, nb, BLOCK, D).mean(2)
+            q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", blocks)))  # (B, nb, BLOCK, Dh)
+            kv = {}
+            for r in "kv":
+                t = kha_of(self, r, f"{p}.{r}", f"{p}.{r}_glob")
+                loc, glob = split_heads(lin(sd, f"{p}.{r}", blocks)), split_heads(lin(sd, f"{p}.{r}_glob", side))
+                kv[r] = [torch.cat([t(g)[:, None].expand(b, nb, nb, DH), t(a)], dim=2) for a, g in zip(loc, glob)]
+            x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
+        return x

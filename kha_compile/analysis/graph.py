@@ -296,6 +296,10 @@ class MatchGraph:
             and any(root_param(a, self.params) is weight for a in n.all_input_nodes)
         )
 
+    def is_weight(self, node: Any) -> bool:
+        """True when ``node`` is a parameter seen through layout ops (a weight, not computed from one)."""
+        return param_chain(node, self.params) is not None
+
     def is_param(self, node: Any) -> bool:
         """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""
         seen, stack = set(), [node]

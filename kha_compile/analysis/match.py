@@ -234,20 +234,24 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             continue
         problems = []
         for role, target in roles.items():
-            projs, why = g.find_projections(target)
-            if not projs:
-                problems.append(
-                    f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else "")
-                )
-                continue
+            # the role's node, and other pieces of the same heads (local + global tokens), each walked back
+            targets = [(target, anchor.head_axes.get(role, -1)), *anchor.extra.get(role, ())]
             matches: list[RoleMatch] = []
             whys: list[str] = []
-            for proj in projs:
-                m, w = _role_match(g, role, target, dims[role], proj, anchor.head_axes.get(role, -1))
-                if m is not None:
-                    matches.append(m)
-                else:
-                    whys.append(w)
+            for piece, axis in targets:
+                projs, why = g.find_projections(piece)
+                if not projs:
+                    whys.append(
+                        f"{role}: no projection found walking back from {piece.name}" + (f" ({why})" if why else "")
+                    )
+                for proj in projs:
+                    m, w = _role_match(g, role, piece, dims[role], proj, axis)
+                    if m is not None:
+                        matches.append(dataclasses.replace(m, joined=True) if len(targets) > 1 else m)
+                    else:
+                        whys.append(w)
+            if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
+                matches = []
             if not matches:
                 problems.append("; ".join(whys))
                 continue

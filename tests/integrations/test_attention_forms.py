@@ -41,6 +41,7 @@ FORMS = {
     "untraceable_whole_unpadded": (fz.Untraceable, lambda: (_tokens(False),), 2, True),
     "conv1d_pointwise": (fz.ConvNet, lambda: (_x(0, (B, D, S)),), 2, True),
     "local_and_global_tokens": (fz.LocalGlobalNet, lambda: (_x(),), 2, True),
+    "local_and_global_split_probabilities": (fz.SplitNet, lambda: (_x(),), 2, True),
     "layer_reused_in_a_loop": (fz.LoopNet, lambda: (_x(),), 3, True),
     "tuple_returning_projection": (fz.TupleNet, lambda: (_x(),), 2, True),
     "vit_cat_bias_partial_rope": (fz.ViTNet, lambda: (_x(),), 2, True),

@@ -37,6 +37,9 @@ class Anchor:
     # role -> the axis of the role's node that holds the head vector, where it is not the last
     # (K^T in q @ k^T: -2; an einsum over (B*H, Dh, T) tensors: 1)
     head_axes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # role -> other (node, head axis) pieces of the same heads, joined along the key axis (local
+    # plus global tokens: scores of several key sets concatenated, probabilities cut again)
+    extra: dict[str, tuple[tuple[Node, int], ...]] = dataclasses.field(default_factory=dict)
 
 
 class AttentionRule(Protocol):

@@ -83,7 +83,7 @@ def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
                     user.target in SCORE_OPS
                     and user.args
                     and user.args[0] is n
-                    and not (len(user.args) > 1 and g.is_param(user.args[1]))
+                    and not (len(user.args) > 1 and g.is_weight(user.args[1]))
                 ):
                     return user
                 if user.op == "call_function" and user.target not in SOFTMAX_OPS:
