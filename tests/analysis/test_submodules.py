@@ -49,7 +49,7 @@ x = torch.randn(2, 10, fz.D, generator=torch.Generator().manual_seed(0))
 def test_recorded_inputs_are_copies_taken_at_the_call():
     model = Model()
     calls = record_calls(model, (x,), {})
-    (a, kw), (b, _) = calls[id(model.layers[0])], calls[id(model.layers[1])]
+    (a, _), (b, _) = calls[id(model.layers[0])], calls[id(model.layers[1])]
     assert torch.equal(a[0], x) and a[0] is not x
     assert a[1].seen == [] and b[1].seen == [10]  # each as it was when the layer was called
 

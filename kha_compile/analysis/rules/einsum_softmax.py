@@ -74,9 +74,10 @@ def _key_axis_cat(node: Any, depth: int = 6) -> Node | None:
 
 def _through_identity(node: Node) -> list[Node]:
     """``node`` and its users through dropout and casts (the nodes a slice of the probabilities hangs on)."""
-    out, frontier = [], [node]
+    out: list[Node] = []
+    frontier = [node]
     for _ in range(3):
-        nxt = []
+        nxt: list[Node] = []
         for n in frontier:
             out.append(n)
             nxt.extend(u for u in n.users if u.target in (aten.dropout.default, aten._to_copy.default, aten.to.dtype))
@@ -88,7 +89,8 @@ def _sliced_keys(softmax: Node) -> bool:
     shape = shape_of(softmax)
     nodes = _through_identity(softmax)
     return shape is not None and any(
-        n.target is aten.slice.Tensor and n.args[1] % len(shape) == len(shape) - 1 for n in nodes[1:]
+        n.target is aten.slice.Tensor and isinstance(n.args[1], int) and n.args[1] % len(shape) == len(shape) - 1
+        for n in nodes[1:]
     )
 
 
@@ -145,7 +147,7 @@ class EinsumSoftmaxRule:
                 c2 = _contracted([found[0][0], sk2], sout2)
                 if len(c2) == 1:
                     extra["k"].append((k2, sk2.index(c2[0])))
-        for vnode, (sp, sv), vout, v2 in self._values(g, softmax):
+        for _, (sp, sv), vout, v2 in self._values(g, softmax):
             vdims = [ch for ch in sv if ch in vout and ch not in sp]
             if v2 is not v and len(vdims) == 1:
                 extra["v"].append((v2, sv.index(vdims[0])))
