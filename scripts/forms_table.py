@@ -103,7 +103,7 @@ FORMS = [
             name,
             rule,
             rf"tests/integrations/test_attention_forms.py::test_form_matches_a_per_head_reference\[{case}-",
-            "-",
+            "yes (parity)" if case == "joint_streams" else "-",
             train,
         )
         for name, rule, case, train in [

@@ -172,6 +172,12 @@ def table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _type_cases(model_type: str) -> dict:
+    from sweep_cases import run_type
+
+    return {rec["config"]: rec for rec in run_type(model_type)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from sweep_cases import KHA_CONFIGS, run_case
+    from sweep_cases import KHA_CONFIGS
     from sweep_configs import model_types
 
     torch.set_num_threads(1)
@@ -206,22 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     types = [t for t in a.types.split(",") if t] or list(model_types())
     for i, t in enumerate(types):
+        if all(f"{t}/{cfg}" in data["cases"] for cfg in KHA_CONFIGS):
+            continue
+        got = isolated(_type_cases, (t,), a.timeout * len(KHA_CONFIGS))
         for cfg in KHA_CONFIGS:
-            key = f"{t}/{cfg}"
-            if key in data["cases"]:
-                continue
-            rec = isolated(run_case, (t, cfg), a.timeout)
+            rec = dict(got.get(cfg) or got)  # a timeout or crash: one record for the type
             rec.setdefault("model_type", t)
-            rec.setdefault("config", cfg)
-            data["cases"][key] = rec
-            if a.json:
-                Path(a.json).write_text(json.dumps(data, indent=1, default=str))
-            print(
-                f"[{i + 1}/{len(types)}] {key:42s} {rec.get('status', ''):12s} {rec.get('category', '')[:40]}",
-                flush=True,
-            )
-            if rec.get("status") == "not_counted":
-                break  # the other config would not build either
+            rec["config"] = cfg
+            data["cases"][f"{t}/{cfg}"] = rec
+            print(f"[{i + 1}/{len(types)}] {t}/{cfg:30s} {rec.get('status', ''):12s} {rec.get('category', '')[:40]}")
+        sys.stdout.flush()
+        if a.json:
+            Path(a.json).write_text(json.dumps(data, indent=1, default=str))
     Path(a.doc).write_text(table(data))
     print(f"wrote {a.doc}")
     return 0

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -35,7 +36,7 @@ from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import NoAttentionFoundError
 from sweep_configs import build, model_types
 
-__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "run_case"]
+__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "run_case", "run_type"]
 
 # the chunk the test suite runs (tests/integrations/test_transformers_sweep.py): one type per
 # family and per form that once failed; scripts/sweep_transformers.py runs every type
@@ -195,31 +196,52 @@ def _fail(rec: dict, category: str, exc: BaseException | None = None) -> dict:
 
 def run_case(model_type: str, cfg_name: str) -> dict:
     """Build, count, apply, check one (model type, KHA config) case; never raises."""
+    return run_type(model_type, (cfg_name,))[0]
+
+
+def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
+    """One record per config: the type built and counted once, each config applied to a copy."""
     t0 = time.perf_counter()
-    rec: dict[str, Any] = {"model_type": model_type, "config": cfg_name, "cls": model_types()[model_type][0]}
-    try:
-        rec.update(_run(model_type, cfg_name, rec))
-    finally:
+    base: dict[str, Any] = {"model_type": model_type, "cls": model_types()[model_type][0]}
+    built = _prepare(model_type, base)
+    out = []
+    for i, cfg_name in enumerate(configs):
+        rec = {**base, "config": cfg_name}
+        if built is not None:
+            model = built[0]
+            if i < len(configs) - 1:
+                try:
+                    model = copy.deepcopy(model)
+                except Exception:  # a model that does not deep-copy: build it again
+                    again = _prepare(model_type, {})
+                    model = again[0] if again is not None else model
+            rec.update(_check(model, *built[1:], cfg_name, rec))
         rec["seconds"] = round(time.perf_counter() - t0, 2)
-    return rec
+        t0 = time.perf_counter()
+        out.append(rec)
+    return out
 
 
-def _run(model_type: str, cfg_name: str, rec: dict) -> dict:
+def _prepare(model_type: str, rec: dict) -> tuple | None:
+    """(model, args, kwargs, reference logits, attention count), or None (``rec`` says why)."""
     try:
         model, rec["attn_implementation"] = build(model_type)
         args, kwargs = example_inputs(model)
     except Exception as exc:  # transformers cannot build it this way (or kha_compile builds no inputs)
         rec.update(status="not_counted", stage="build", error=f"{type(exc).__name__}: {_first_line(exc)}")
-        return rec
+        return None
     counter = AttentionCounter(model)
     try:
         with torch.no_grad(), counter:
             ref = logits(model(*args, **kwargs)).clone()
     except Exception as exc:
         rec.update(status="not_counted", stage="forward", error=f"{type(exc).__name__}: {_first_line(exc)}")
-        return rec
+        return None
     rec["attn_count"] = counter.count
+    return model, args, kwargs, ref, counter.count
 
+
+def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int, cfg_name: str, rec: dict) -> dict:
     def call() -> torch.Tensor:
         with torch.no_grad():
             return logits(model(*args, **kwargs)).clone()
@@ -232,9 +254,9 @@ def _run(model_type: str, cfg_name: str, rec: dict) -> dict:
         except Exception as inner:
             return _fail(rec, "inspect after a refused apply fails", inner)
         rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
-        if counter.count == 0 and not report.sites:
+        if count == 0 and not report.sites:
             rec.update(status="no_attention")
-        elif len(report.sites) == counter.count and all(s.reason for s in report.sites):
+        elif len(report.sites) == count and all(s.reason for s in report.sites):
             rec.update(status="skipped", reason=report.sites[0].reason[:300])
         else:
             _fail(rec, "site count mismatch", exc)
@@ -248,8 +270,8 @@ def _run(model_type: str, cfg_name: str, rec: dict) -> dict:
         return _fail(rec, "inspect or forward after apply fails", exc)
     rec.update(matched=len(report.matched), skipped=len(report.skipped), trace_path=report.trace_path)
     rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
-    if len(report.sites) != counter.count:
-        return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {counter.count} calls)")
+    if len(report.sites) != count:
+        return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {count} calls)")
     if not torch.equal(out0, ref):
         rec["identity_max_diff"] = _max_diff(out0, ref)
         return _fail(rec, "identity broken")
