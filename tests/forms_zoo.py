@@ -836,3 +836,58 @@ class SplitNet(nn.Module):
                 kv[r] = [torch.cat([t(g)[:, None].expand(b, nb, nb, DH), t(a)], dim=2) for a, g in zip(loc, glob)]
             x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
         return x
+
+
+# ---- 17. tied projection weights (Zamba2's shared blocks); 18. K = V ----------------------------
+
+
+class TiedNet(nn.Module):
+    """Two attention blocks whose projections share their parameters (tied, separate modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SelfAttn(), SelfAttn()])
+        for r in "qkvo":
+            getattr(self.blocks[1], r).weight = getattr(self.blocks[0], r).weight
+            getattr(self.blocks[1], r).bias = getattr(self.blocks[0], r).bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        for _ in range(2):  # both blocks: the tied weights and the one shared transform per role
+            q, k, v = (
+                each(kha_of(self, r, f"blocks.0.{r}", f"blocks.1.{r}"), split_heads(lin(sd, f"blocks.0.{r}", x)))
+                for r in "qkv"
+            )
+            x = x + lin(sd, "blocks.0.o", attend(q, k, v))
+        return x
+
+
+class KEqualsV(nn.Module):
+    """One projection gives both keys and values (DeepSeek-V4's kv_proj): K = V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kv = to_heads(self.kv(x))
+        return from_heads(F.scaled_dot_product_attention(to_heads(self.q(x)), kv, kv))
+
+
+class GroupedConv(nn.Module):
+    """q, k, v from one grouped 1x1 conv (SqueezeBERT style): groups of 12 channels cut the heads of 8
+    (8 groups), groups of 24 hold whole heads (4 groups)."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.qkv = nn.Conv1d(D, 3 * D, 1, groups=groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, t = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, H, DH, t).transpose(-1, -2).unbind(1)  # (B, H, T, Dh)
+        return F.scaled_dot_product_attention(q, k, v)

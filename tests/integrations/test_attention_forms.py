@@ -165,3 +165,25 @@ def test_joint_streams_export_to_onnx_with_one_mlp_value_node_per_projection(tmp
     feed = {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)}
     (y,) = sess.run(None, feed)
     torch.testing.assert_close(torch.from_numpy(y), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_tied_projections_share_one_transform_and_fold_exactly(v):
+    args = (_x(),)
+    model = check_form(fz.TiedNet, args, v, qk=True, reference=lambda m: m.reference(*args))
+    if v == "mlp":
+        assert [n for n in kha_params(model) if n.endswith("v.up")] == ["blocks.0.v.kha.v.up"]
+
+
+def test_keys_equal_to_values_are_skipped_with_the_reason():
+    report = kc.inspect(fz.KEqualsV(), example_args=(_x(),))
+    assert report.matched  # inspect plans no transform, so nothing collides
+    with pytest.raises(NoAttentionFoundError, match=r"k and v are the same features of kv \(k = v\)"):
+        kc.apply(fz.KEqualsV(), kc.KHAConfig(v="mlp"), example_args=(_x(),))
+
+
+def test_a_grouped_conv_whose_groups_cut_the_heads_is_skipped_with_the_reason():
+    x = _x(0, (B, D, 12))
+    with pytest.raises(NoAttentionFoundError, match=r"span several of its 8 conv groups"):
+        kc.apply(fz.GroupedConv(8), kc.KHAConfig(v="linear"), example_args=(x,))
+    check_form(lambda: fz.GroupedConv(4), (x,), "linear", sites=1)  # groups of 24 channels: whole heads
