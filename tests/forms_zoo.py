@@ -888,6 +888,6 @@ class GroupedConv(nn.Module):
         self.qkv = nn.Conv1d(D, 3 * D, 1, groups=groups)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, c, t = x.shape
+        b, _, t = x.shape
         q, k, v = self.qkv(x).reshape(b, 3, H, DH, t).transpose(-1, -2).unbind(1)  # (B, H, T, Dh)
         return F.scaled_dot_product_attention(q, k, v)
