@@ -52,7 +52,12 @@ def _softmax_dim(node: Node) -> int | None:
 
 
 def score_product(g: MatchGraph, softmax: Node, depth: int = 48) -> Node | None:
-    """The product of two activations whose scores ``softmax`` normalises, or None."""
+    """The product of two activations whose scores ``softmax`` normalises, or None.
+
+    Example::
+
+        score_product(g, softmax_node)     # the q @ k^T matmul node
+    """
     frontier: list[Any] = [softmax.args[0]]
     seen: set[Node] = set()
     for _ in range(depth):
@@ -113,7 +118,12 @@ def _split_probs(softmax: Node, depth: int = 4) -> bool:
 
 
 def unclaimed(g: MatchGraph, claimed: set[Node]) -> list[Anchor]:
-    """An ``unmatched`` anchor (with its reason) for every attention softmax no rule claimed."""
+    """An ``unmatched`` anchor (with its reason) for every attention softmax no rule claimed.
+
+    Example::
+
+        [a.reason for a in unclaimed(g, claimed=set())]
+    """
     out = []
     for node in g.graph.nodes:
         if node.op != "call_function" or node.target not in SOFTMAX_OPS or node in claimed:

@@ -39,7 +39,12 @@ aten = torch.ops.aten
 
 
 def cat_axis(node: Node) -> int | None:
-    """The (non-negative) axis a ``cat`` node joins along, or None for another node."""
+    """The (non-negative) axis a ``cat`` node joins along, or None for another node.
+
+    Example::
+
+        cat_axis(node)      # 1 for torch.cat([q_txt, q_img], dim=1) on (B, S, H, Dh)
+    """
     if node.op != "call_function" or node.target is not aten.cat.default:
         return None
     shape = shape_of(node)
@@ -55,6 +60,10 @@ def through_cat(idx: Any, node: Node, prev: Node) -> Tensor:
     The other inputs of the cat are taken to carry the same head layout (each is checked from its
     own projection); along the joined axis (the sequence) the index is a broadcast copy anyway.
     Raises ``NotLayout`` when the cat joins heads or features.
+
+    Example::
+
+        idx = through_cat(idx, cat_node, prev)     # (B, St, H, Dh) index -> (B, St + Si, H, Dh)
     """
     axis = cat_axis(node)
     out = shape_of(node)
@@ -94,6 +103,10 @@ def resolve_role(
     """(first match, the other projections, "cat" | "sum" | "", problem) for a role's per-head matches.
 
     The first match is the earliest projection in the graph (it owns the shared transform).
+
+    Example::
+
+        first, rest, join, problem = resolve_role(g, "q", sdpa.args[0], matches)    # join == "cat"
     """
     ordered = sorted(per_head, key=lambda m: g.order[m.projection.node])
     first = ordered[0]

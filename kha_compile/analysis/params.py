@@ -198,7 +198,12 @@ def _pointwise_conv(node: Node, out_shape: tuple[int, ...]) -> list[tuple[Node, 
 
 
 def conv_groups(node: Node) -> int:
-    """The number of groups of a ``conv1d`` projection node (1 for any other op)."""
+    """The number of groups of a ``conv1d`` projection node (1 for any other op).
+
+    Example::
+
+        conv_groups(node)     # 4 for SqueezeBERT's query conv
+    """
     if node.target is not aten.conv1d.default or len(node.args) < 7:
         return 1
     groups = node.args[6]
@@ -206,7 +211,12 @@ def conv_groups(node: Node) -> int:
 
 
 def feature_axis_last(node: Node, out_index: Tensor) -> Tensor:
-    """``out_index`` with the feature axis last, as a bias added to the op's output broadcasts."""
+    """``out_index`` with the feature axis last, as a bias added to the op's output broadcasts.
+
+    Example::
+
+        feature_axis_last(conv_node, idx)      # (B, C, T) -> (B, T, C)
+    """
     return out_index.movedim(-2, -1) if node.target is aten.conv1d.default else out_index
 
 

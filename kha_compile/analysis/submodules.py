@@ -120,7 +120,12 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple
 
 
 def prefix_sites(raw: list[RawSite], prefix: str) -> list[RawSite]:
-    """Make the module and parameter paths of sites found in a submodule's graph the model's own."""
+    """Make the module and parameter paths of sites found in a submodule's graph the model's own.
+
+    Example::
+
+        prefix_sites(find_sites(capture(model.layers[0], a, kw).exported), "layers.0")
+    """
     if not prefix:
         return raw
 
@@ -163,7 +168,13 @@ def _trace_part(module: nn.Module, call: tuple[tuple, dict]) -> tuple[Capture, l
 
 
 def capture_submodules(model: nn.Module, args: tuple, kwargs: dict, reason: str) -> tuple[Capture, list[RawSite]]:
-    """Trace the submodules of ``model`` top-down with inputs recorded from one forward; see the module doc."""
+    """Trace the submodules of ``model`` top-down with inputs recorded from one forward; see the module doc.
+
+    Example::
+
+        cap, raw = capture_submodules(model, (ids,), {}, "the whole-model trace failed: ...")
+        cap.parts          # [("layers.0", ExportedProgram), ...]
+    """
     start = time.perf_counter()
     try:
         calls = record_calls(model, args, kwargs)

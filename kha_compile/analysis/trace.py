@@ -261,7 +261,12 @@ def module_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def called_modules(model: nn.Module, exported: Any) -> set[int]:
-    """Ids of the modules of ``model`` whose forward left ops in the exported graph."""
+    """Ids of the modules of ``model`` whose forward left ops in the exported graph.
+
+    Example::
+
+        id(model.layers[0]) in called_modules(model, exported)
+    """
     called: set[int] = set()
     paths: set[str] = set()
     for gm in exported.graph_module.modules():  # wrapped regions (no_grad, autocast) are subgraphs

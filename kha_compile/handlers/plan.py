@@ -219,6 +219,10 @@ def plan_joint(
     A projection that is the role's own (the same module called again, e.g. on global tokens) needs
     nothing more. The others must be module calls (``linear``, ``conv1d``) with an affine layout;
     a value that is a sum gets no MLP-value (not linear).
+
+    Example::
+
+        joint, problems = plan_joint(model, raw, {"v": "mlp"})   # {"v": [("img_v", handler, slot, 32)]}
     """
     out: dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]] = {}
     bad: list[str] = []

@@ -205,7 +205,12 @@ def carries_kha(module: nn.Module) -> bool:
 
 
 def is_borrower(module: nn.Module) -> bool:
-    """True when ``module`` applies transforms registered in another projection (joint streams)."""
+    """True when ``module`` applies transforms registered in another projection (joint streams).
+
+    Example::
+
+        is_borrower(model.blocks[0].img_q)     # True: its T^Q is txt_qkv's
+    """
     return isinstance(module.__dict__.get("kha"), KHATransforms)
 
 
