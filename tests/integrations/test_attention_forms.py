@@ -187,3 +187,22 @@ def test_a_grouped_conv_whose_groups_cut_the_heads_is_skipped_with_the_reason():
     with pytest.raises(NoAttentionFoundError, match=r"span several of its 8 conv groups"):
         kc.apply(fz.GroupedConv(8), kc.KHAConfig(v="linear"), example_args=(x,))
     check_form(lambda: fz.GroupedConv(4), (x,), "linear", sites=1)  # groups of 24 channels: whole heads
+
+
+def test_joint_streams_survive_save_load_deepcopy_and_remove(tmp_path):
+    import copy
+
+    args = (_x(0, (B, 6, D)), _x(1))
+    model = fz.JointNet()
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=args)
+    perturb(model)
+    kc.save_pretrained(model, tmp_path)
+    again = fz.JointNet()
+    again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in k})
+    kc.load_pretrained(again, tmp_path, example_args=args)
+    assert torch.equal(again(*args), model(*args))
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].img_q.kha["q"] is twin.blocks[0].txt_qkv.kha["q"]
+    assert torch.equal(twin(*args), model(*args))
+    kc.remove(again)
+    assert type(again.blocks[0].img_q) is torch.nn.Linear and "kha" not in vars(again.blocks[0].img_q)
