@@ -128,7 +128,9 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         home = model.get_submodule(proj.module_path)
     except AttributeError:
         return False, f"{m.role}: {proj.module_path!r} (calling the projection on {proj.param}) is not a submodule"
-    if isinstance(home, nn.MultiheadAttention) or is_kha_projection(home):
+    if isinstance(home, nn.MultiheadAttention):
+        return False, ""  # the mha handler's; it says why when it declines
+    if is_kha_projection(home):
         return False, f"{m.role}: {proj.param} is used inside {type(home).__name__}, which another handler owns"
     for path, kind, slot in slots:
         owner, attr = _owner_attr(path)
