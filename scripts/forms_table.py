@@ -35,7 +35,7 @@ FORMS = [
     Form(
         "`F.scaled_dot_product_attention` (MHA/GQA/MQA, fused/interleaved qkv, rotary)",
         "sdpa",
-        r"tests/passes/test_match.py::test_generic_attention",
+        r"tests/analysis/test_match.py::test_generic_attention",
         "yes (parity)",
         "CPU and GPU",
         drawn=True,
@@ -43,7 +43,7 @@ FORMS = [
     Form(
         "`softmax(q @ k^T ...) @ v` (matmul/bmm/baddbmm, masks, ALiBi, soft-capping)",
         "manual_softmax",
-        r"tests/passes/test_match.py::test_generic_attention",
+        r"tests/analysis/test_match.py::test_generic_attention",
         "yes (parity)",
         "CPU and GPU",
         drawn=True,
@@ -51,14 +51,14 @@ FORMS = [
     Form(
         "`einsum` scores and values (einops style, x-transformers)",
         "einsum_softmax",
-        r"tests/passes/rules/test_einsum_softmax.py::test_einsum_attention",
+        r"tests/analysis/rules/test_einsum_softmax.py::test_einsum_attention",
         "yes (parity)",
         "CPU and GPU",
     ),
     Form(
         "`flex_attention` (score_mod, BlockMask argument, enable_gqa)",
         "flex_attention",
-        r"tests/passes/rules/test_flex_attention.py::test_flex_(with|random)",
+        r"tests/analysis/rules/test_flex_attention.py::test_flex_(with|random)",
         "no (ExportError)",
         "GPU (torch has no flex backward on CPU)",
         drawn=True,
@@ -66,21 +66,21 @@ FORMS = [
     Form(
         'transformers `attn_implementation="flex_attention"` (Llama, BERT)',
         "flex_attention",
-        r"tests/passes/rules/test_flex_attention.py::test_transformers_flex",
+        r"tests/analysis/rules/test_flex_attention.py::test_transformers_flex",
         "no (ExportError)",
         "GPU (torch has no flex backward on CPU)",
     ),
     Form(
         "your own op (`torch.library.custom_op`, (B, S, H, D) or (B, H, S, D), GQA) via `kc.register_attention_op`",
         "external",
-        r"tests/passes/rules/test_external.py::test_registered",
+        r"tests/analysis/rules/test_external.py::test_registered",
         "no, unless the op has an ONNX translation",
         "CPU and GPU (the op's own backward)",
     ),
     Form(
         "rotary helpers returning `(q, k)` with `type_as`/`to`; complex RoPE (`view_as_complex`)",
         "sdpa",
-        r"tests/passes/test_trace_robustness.py::test_rotary_helpers",
+        r"tests/analysis/test_trace_robustness.py::test_rotary_helpers",
         "-",
         "CPU and GPU",
     ),
@@ -92,11 +92,108 @@ FORMS = [
         "CPU and GPU",
     ),
     Form(
-        "fair-esm ESM-2 (separate q/k/v, rotary, `bmm` + softmax, key padding mask)",
+        "fair-esm ESM-2 applied directly (`if not padding_mask.any()`: traced per submodule)",
         "manual_softmax",
         r"tests/test_third_party_models.py::test_apply_identity_perturb_fold\[esm2",
         "-",
         "CPU and GPU",
+    ),
+    *(
+        Form(
+            name,
+            rule,
+            rf"tests/integrations/test_attention_forms.py::test_form_matches_a_per_head_reference\[{case}-",
+            "yes (parity)" if case == "joint_streams" else "-",
+            train,
+        )
+        for name, rule, case, train in [
+            (
+                "an attention a repeated-block representative did not run (`zip(attns, resnets[1:])`)",
+                "sdpa",
+                "zip_of_a_slice",
+                "CPU and GPU",
+            ),
+            (
+                "joint streams: per-stream q/k/v concatenated along the sequence, QK-norm, RoPE",
+                "sdpa",
+                "joint_streams",
+                "CPU and GPU",
+            ),
+            (
+                "q and k sums of two projections (linear KHA after each; v sums get no MLP-value)",
+                "sdpa",
+                "sum_of_projections",
+                "CPU and GPU",
+            ),
+            (
+                "merged self- and cross-attention (k, v of both sources on the key axis)",
+                "sdpa",
+                "self_and_cross",
+                "CPU and GPU",
+            ),
+            (
+                "talking heads: (H, H) head mixing before and after the softmax, all einsum",
+                "einsum_softmax",
+                "talking_heads",
+                "CPU and GPU",
+            ),
+            ("a learned query token (class attention)", "sdpa", "learned_query", "CPU and GPU"),
+            (
+                "RoPE under `autocast(enabled=False)`, blocks under `no_grad` (wrapping higher-order ops)",
+                "sdpa",
+                "autocast_and_no_grad_regions",
+                "CPU and GPU",
+            ),
+            (
+                "classes whose bases put an ABC first (functional and module projections)",
+                "sdpa",
+                "abc_first_bases",
+                "CPU and GPU",
+            ),
+            (
+                "a model torch.export cannot trace whole (data-dependent `if`, expert loop, router cast): per submodule",
+                "sdpa",
+                "untraceable_whole",
+                "CPU and GPU",
+            ),
+            (
+                "1x1 `nn.Conv1d` projections in (B, C, T), heads merged with the batch",
+                "einsum_softmax",
+                "conv1d_pointwise",
+                "CPU and GPU",
+            ),
+            (
+                "block-local attention plus global tokens (`einsum('...qhd,...khd->...hqk')`)",
+                "einsum_softmax",
+                "local_and_global_tokens",
+                "CPU and GPU",
+            ),
+            (
+                "local and global tokens with their own projections: scores joined, probabilities cut (PEGASUS-X)",
+                "einsum_softmax",
+                "local_and_global_split_probabilities",
+                "CPU and GPU",
+            ),
+            ("one layer reused in a loop (one site per call)", "sdpa", "layer_reused_in_a_loop", "CPU and GPU"),
+            (
+                "projection modules returning a tuple (a quantized linear's `(y, scale)`)",
+                "sdpa",
+                "tuple_returning_projection",
+                "CPU and GPU",
+            ),
+            (
+                "ViT: functional fused qkv, bias assembled with `cat`, RoPE on the patch tokens only",
+                "sdpa",
+                "vit_cat_bias_partial_rope",
+                "CPU and GPU",
+            ),
+            (
+                "flex_attention with a BlockMask passed in, fused qkv, complex RoPE",
+                "flex_attention",
+                "flex_block_mask_input",
+                "GPU (torch has no flex backward on CPU)",
+            ),
+        ]
     ),
 ]
 

@@ -151,8 +151,8 @@ BUGS: list[Bug] = [
     Bug(
         "weight_side_transforms_twice",
         "kha_compile/model/carrier.py",
-        "        return self.kha_transform(y, skip=folded)",
-        "        return self.kha_transform(y)",
+        "        return self._kha_output(y, folded)",
+        "        return self._kha_output(y, ())",
         "weight-side calls also apply the folded transforms to the output (T twice; only above d_model tokens)",
         {"strategy": STRATEGY, "apply (identity, wired)": APPLY},
     ),

@@ -24,34 +24,53 @@ def check_form(
     anchor: str = "",
     kwargs: dict | None = None,
     grad: bool = True,
+    output: Callable = lambda y: y,
+    reference: Callable[[nn.Module], torch.Tensor] | None = None,
+    qk: bool = False,
 ) -> nn.Module:
     """apply -> every site matched, exact identity at init, perturbation moves, exact fold (linear).
 
-    ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks).
+    ``grad=False`` runs the model under no_grad (forms whose backward this platform lacks);
+    ``output`` picks the tensor to compare from what the model returns (e.g. ``y["logits"]``);
+    ``reference(model)``: an independent per-head computation from the stored parameters and the
+    KHA weights; the perturbed output, and the folded one, must equal it. ``qk``: linear KHA on
+    q and k too.
     """
     kwargs = kwargs or {}
     torch.manual_seed(0)
     model = make().eval()
     ctx = torch.enable_grad if grad else torch.no_grad
+
+    def run():
+        return output(model(*args, **kwargs))
+
     with ctx():
-        ref = model(*args, **kwargs).detach()
-    kc.apply(model, kc.KHAConfig(v=v), example_args=args, example_kwargs=kwargs)
+        ref = run().detach()
+    cfg = kc.KHAConfig(q="linear", k="linear", v=v) if qk else kc.KHAConfig(v=v)
+    kc.apply(model, cfg, example_args=args, example_kwargs=kwargs)
     report = kc.inspect(model, example_args=args, example_kwargs=kwargs)
     assert len(report.matched) == sites and not report.skipped, str(report)
     if anchor:
         assert {s.anchor for s in report.matched} == {anchor}, str(report)
-    assert all(s.transforms.get("v") == v for s in report.matched), str(report)
+    assert all(s.transforms.get(r) == kind for s in report.matched for r, kind in cfg.roles().items()), str(report)
     assert kha_params(model)
     with ctx():
-        assert torch.equal(model(*args, **kwargs), ref)  # identity at init, exactly
+        assert torch.equal(run(), ref)  # identity at init, exactly
     perturb(model)
     with ctx():
-        moved = model(*args, **kwargs).detach()
+        moved = run().detach()
     assert (moved - ref).abs().max() > 1e-3
+    expected = None
+    if reference is not None:
+        with torch.no_grad():
+            expected = reference(model)
+        torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-5)
     if v == "linear":
         kc.fold(model)
         assert not kha_params(model)
         with ctx():
-            folded = model(*args, **kwargs)
+            folded = run()
         torch.testing.assert_close(folded, moved, rtol=1e-5, atol=1e-5)
+        if expected is not None:
+            torch.testing.assert_close(folded.detach(), expected, rtol=1e-4, atol=1e-5)
     return model

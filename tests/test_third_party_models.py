@@ -1,6 +1,7 @@
 """Models from libraries other than transformers, built from small configs (no downloads):
 x-transformers (einsum attention, GQA, encoder and decoder) and fair-esm's ESM-2 (separate q/k/v
-linears, rotary, bmm + softmax, key padding mask). Each is checked against the per-head reference of
+linears, rotary, bmm + softmax, key padding mask), applied directly: its forward branches on token
+values, so it is traced submodule by submodule. Each is checked against the per-head reference of
 tests/reference.py, perturbed and after fused optimizer steps."""
 
 from __future__ import annotations
@@ -9,12 +10,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import kha_compile as kc
 from form_checks import check_form
-from helpers import kha_params, perturb
-from kha_compile.core.errors import TraceError
+from helpers import perturb
 from reference import Reference, check_against_reference
 
 V, T = 128, 8
@@ -41,11 +40,6 @@ def _esm2():
     return esm.model.esm2.ESM2(num_layers=2, embed_dim=64, attention_heads=4, alphabet=alphabet)
 
 
-def _esm2_logits():
-    pytest.importorskip("esm")
-    return lambda: ESM2Logits(_esm2())
-
-
 def _esm_ids(padded: bool, batch: int = 2, seq: int = T) -> torch.Tensor:
     """Amino-acid token ids (4..23 in the ESM-1b alphabet); ``padded`` pads the second sequence."""
     ids = torch.randint(4, 24, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -54,40 +48,16 @@ def _esm_ids(padded: bool, batch: int = 2, seq: int = T) -> torch.Tensor:
     return ids
 
 
-class ESM2Logits(nn.Module):
-    """ESM-2's own forward up to the logits, minus its ``if not padding_mask.any()`` branch.
-
-    ``ESM2.forward`` drops the key padding mask when no token is padding; that test reads the
-    token values, which ``torch.export`` cannot trace (see ``test_esm2_forward_is_data_dependent``).
-    This module always passes the mask, so one graph covers padded and unpadded batches, and it
-    computes exactly what ``ESM2.forward(tokens)["logits"]`` computes (asserted below). ``kc.apply``
-    on it inserts KHA into the ESM2 it holds, which then runs with KHA through its own forward.
-    """
-
-    def __init__(self, esm2: nn.Module) -> None:
-        super().__init__()
-        self.esm = esm2
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        m = self.esm
-        pad = tokens.eq(m.padding_idx)
-        masked = tokens.eq(m.mask_idx)
-        x = m.embed_scale * m.embed_tokens(tokens)
-        x = x.masked_fill(masked.unsqueeze(-1), 0.0)  # token dropout, as ESM2.forward (on by default)
-        observed = masked.sum(-1).to(x.dtype) / (~pad).sum(-1)
-        x = x * (1 - 0.15 * 0.8) / (1 - observed)[:, None, None]
-        x = (x * (1 - pad.unsqueeze(-1).type_as(x))).transpose(0, 1)  # (T, B, E), as ESM2's layers take it
-        for layer in m.layers:
-            x, _ = layer(x, self_attn_padding_mask=pad)
-        return m.lm_head(m.emb_layer_norm_after(x).transpose(0, 1))
+def _logits(y):
+    return y["logits"] if isinstance(y, dict) else y
 
 
 # case -> (model factory, example inputs, the anchor rule every site must match)
 CASES = {
     "x_transformers-decoder_gqa_rope": (lambda: _x_transformers("decoder_gqa_rope"), _ids, "einsum_softmax"),
     "x_transformers-encoder": (lambda: _x_transformers("encoder"), _ids, "einsum_softmax"),
-    "esm2": (_esm2_logits, lambda: _esm_ids(False), "manual_softmax"),
-    "esm2_padded": (_esm2_logits, lambda: _esm_ids(True), "manual_softmax"),
+    "esm2": (lambda: _esm2, lambda: _esm_ids(False), "manual_softmax"),
+    "esm2_padded": (lambda: _esm2, lambda: _esm_ids(True), "manual_softmax"),
 }
 
 # case -> (reference layout, its head counts as the model was built above, inputs of 96 tokens)
@@ -103,10 +73,7 @@ REFERENCE = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_apply_identity_perturb_fold(case, v):
     make, ids, anchor = CASES[case]
-    model = check_form(make(), (ids(),), v, anchor=anchor)
-    if isinstance(model, ESM2Logits):  # the ESM2 inside runs the same KHA (perturbed; folded for linear)
-        with torch.enable_grad():
-            assert torch.equal(model.esm(ids())["logits"], model(ids()))
+    check_form(make(), (ids(),), v, anchor=anchor, output=_logits)
 
 
 @pytest.mark.parametrize("v", ["linear", "mlp"])
@@ -125,18 +92,15 @@ def test_perturbed_and_trained_equal_the_per_head_reference(case, v):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_esm2_logits_module_is_esm2_forward(padded):
+def test_esm2_is_traced_per_submodule_and_says_why(padded):
+    """ESM2.forward branches on token values (``if not padding_mask.any():``), which torch.export
+    refuses; kc.apply traces its layers one by one, with the inputs one forward gave them, and the
+    report says so, naming the line."""
     esm2 = _esm2().eval()
     ids = _esm_ids(padded)
-    assert torch.equal(ESM2Logits(esm2)(ids), esm2(ids)["logits"])
-
-
-def test_esm2_forward_is_data_dependent():
-    """kc.apply on the bare ESM2 fails in the trace, at ESM2's ``padding_mask.any()``; nothing changes."""
-    esm2 = _esm2().eval()
-    ids = _esm_ids(False)
     ref = esm2(ids)["logits"]
-    with pytest.raises(TraceError, match=r"padding_mask\.any\(\)"):
-        kc.apply(esm2, kc.KHAConfig(v="linear"), example_args=(ids,))
-    assert not kha_params(esm2)
+    kc.apply(esm2, kc.KHAConfig(v="linear"), example_args=(ids,))
+    report = kc.inspect(esm2, example_args=(ids,))
+    assert report.trace_path.startswith("per submodule") and "padding_mask.any()" in report.trace_path
+    assert [s.name for s in report.matched] == ["layers.0.self_attn", "layers.1.self_attn"]
     assert torch.equal(esm2(ids)["logits"], ref)

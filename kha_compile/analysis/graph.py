@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from .hops import inline_wrappers
 from .layout import LAYOUT_OPS, NotLayout, push_layout, shape_of
 from .params import (
     PROJ_TARGETS,
     ParamPiece,
     bias_pieces,
+    feature_axis_last,
     param_chain,
     post_bias,
     projection_info,
@@ -32,6 +34,7 @@ from .params import (
 __all__ = [
     "ALLOC_OPS",
     "COPY_OPS",
+    "META_ARGS",
     "NORM_OPS",
     "PROJ_OPS",
     "SDPA_OPS",
@@ -63,6 +66,8 @@ NORM_OPS = {
 }
 TRIG_OPS = {aten.cos.default, aten.sin.default, aten.polar.default}
 COPY_OPS = {aten.copy_.default, aten.copy.default}
+# ops that read only the dtype / shape of their arguments after the first
+META_ARGS = {aten.type_as.default, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default}
 ALLOC_OPS = {
     aten.new_empty.default,
     aten.new_zeros.default,
@@ -108,6 +113,24 @@ def module_path_of(node: Node) -> str:
     return list(stack.values())[-1][0]
 
 
+def _canonical_names(
+    graph: torch.fx.Graph, params: dict[str, str], buffers: dict[str, str], aliases: dict[str, str]
+) -> None:
+    def member(name: str) -> str:
+        owner, _, attr = name.rpartition(".")
+        return f"{aliases[owner]}.{attr}" if owner in aliases else name
+
+    for table in (params, buffers):
+        for key, name in table.items():
+            table[key] = member(name)
+    for key in [k for k in aliases if k.startswith("=")]:  # tied parameters: under their first-path names
+        aliases["=" + member(key[1:])] = "|".join(member(n) for n in aliases[key].split("|"))
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (aliases.get(p, p), t) for k, (p, t) in stack.items()}
+
+
 def _tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor) or n.op == "call_function"]
 
@@ -115,13 +138,17 @@ def _tensor_inputs(node: Node) -> list[Node]:
 class MatchGraph:
     """Lookups over one exported program that every rule shares."""
 
-    def __init__(self, exported) -> None:
+    def __init__(self, exported, aliases: dict[str, str] | None = None) -> None:
         self.exported = exported
+        inline_wrappers(exported.graph_module)  # autocast / grad-mode regions: their ops, in line
         self.graph = exported.graph
         self.order = _order(self.graph)
         sig = exported.graph_signature
         self.params: dict[str, str] = dict(sig.inputs_to_parameters)
         self.buffers: dict[str, str] = dict(sig.inputs_to_buffers)
+        self.aliases = aliases or {}
+        if aliases:  # one module reached by several paths: every name and module stack uses its first path
+            _canonical_names(self.graph, self.params, self.buffers, aliases)
         consts = {}
         for name, target in getattr(sig, "inputs_to_lifted_tensor_constants", {}).items():
             value = exported.constants.get(target)
@@ -154,13 +181,25 @@ class MatchGraph:
                     self.written_by.setdefault(src, []).append(base)
 
     def inputs(self, n: Node) -> list[Node]:
-        own = [] if n.op == "call_function" and n.target in ALLOC_OPS else list(n.all_input_nodes)
+        """The inputs whose values flow into ``n`` (not those it reads only the dtype or shape of)."""
+        if n.op == "call_function" and n.target in ALLOC_OPS:
+            own: list[Node] = []
+        elif n.op == "call_function" and n.target in META_ARGS:  # x.type_as(v): only x's values
+            own = [a for a in n.args[:1] if isinstance(a, Node)]
+        else:
+            own = list(n.all_input_nodes)
         return own + self.writes.get(n, [])
 
     def users(self, n: Node) -> list[Node]:
-        return [u for u in n.users if not (u.op == "call_function" and u.target in ALLOC_OPS)] + self.written_by.get(
-            n, []
-        )
+        """The users that take the values of ``n`` (see :meth:`inputs`)."""
+        out = [
+            u
+            for u in n.users
+            if not (
+                u.op == "call_function" and (u.target in ALLOC_OPS or (u.target in META_ARGS and u.args[0] is not n))
+            )
+        ]
+        return out + self.written_by.get(n, [])
 
     # -- projections ---------------------------------------------------------------------
     def param_source(self, node: Node, out_axis: int) -> tuple[str, torch.Tensor] | None:
@@ -200,10 +239,17 @@ class MatchGraph:
         """The projection computed by ``node`` (a weight of any rank through layout ops), or None."""
         for x, w, axes, out_index in projection_info(node):  # noqa: B007 - used after the break
             piece = weight_source(w, axes, self.params, self.constants)
-            if piece is not None and ".kha." not in f".{piece.name}" and not self.is_param(x):
+            # x @ W: the weight is the parameter; for linear the weight is positional, so x may be made of
+            # parameters too (a learned query token expanded over the batch)
+            if (
+                piece is not None
+                and ".kha." not in f".{piece.name}"
+                and (node.target is aten.linear.default or not self.is_param(x))
+            ):
                 break
         else:
             return None
+        piece = self._local(piece, node)
         module_path = piece.name.rpartition(".")[0]
         is_call = self.is_module_output(node, module_path)
         if not is_call:  # used functionally: the module whose forward computes it is where KHA goes
@@ -211,7 +257,7 @@ class MatchGraph:
         proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
         bias = (
             node.args[2]
-            if node.target is aten.linear.default and len(node.args) > 2
+            if node.target in (aten.linear.default, aten.conv1d.default) and len(node.args) > 2
             else node.args[0]
             if node.target is aten.addmm.default
             else None
@@ -220,12 +266,23 @@ class MatchGraph:
         if after is not None and self.is_param(after):
             bias = after
         if isinstance(bias, Node):
-            pieces, why = bias_pieces(bias, out_index, int(piece.feature_map.numel()), self.params, self.buffers)
+            index = feature_axis_last(node, out_index)  # a conv's bias runs along its channel axis
+            pieces, why = bias_pieces(bias, index, int(piece.feature_map.numel()), self.params, self.buffers)
             proj.pieces.extend(pieces)
             proj.pieces_reason = why
         if not proj.is_module_call:
             proj.occurrence = self._occurrence(node, root_param(w, self.params))
         return proj
+
+    def _local(self, piece: ParamPiece, node: Node) -> ParamPiece:
+        """A tied parameter named as the module calling ``node`` holds it (the export names it once)."""
+        tied = self.aliases.get("=" + piece.name)
+        if not tied:
+            return piece
+        here = module_path_of(node)
+        names = tied.split("|")
+        local = [n for n in names if n.rpartition(".")[0] == here] or [n for n in names if n.startswith(here + ".")]
+        return dataclasses.replace(piece, name=local[0]) if local else piece
 
     def _occurrence(self, node: Node, weight: Node | None) -> int:
         """How many projection calls on ``weight`` run before ``node`` in its module call."""
@@ -238,6 +295,10 @@ class MatchGraph:
             and self.order[n] < self.order[node]
             and any(root_param(a, self.params) is weight for a in n.all_input_nodes)
         )
+
+    def is_weight(self, node: Any) -> bool:
+        """True when ``node`` is a parameter seen through layout ops (a weight, not computed from one)."""
+        return param_chain(node, self.params) is not None
 
     def is_param(self, node: Any) -> bool:
         """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""

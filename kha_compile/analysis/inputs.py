@@ -77,6 +77,8 @@ def example_inputs(
 
     if _is_hf_pretrained(model):
         main = getattr(model, "main_input_name", "input_ids")
+        if main == "inputs" and _accepts(model, "input_ids") and _has_vocab(model.config):
+            main = "input_ids"  # a generic main input (Perceiver's masked LM) that also takes token ids
         if main == "input_ids":
             kwargs = _text_inputs(model, batch_size, seq_len, device, gen)
             if getattr(model.config, "is_encoder_decoder", False) and _accepts(model, "decoder_input_ids"):
@@ -164,6 +166,13 @@ def _pixel_values(
     h, w = (size, size) if isinstance(size, int) else tuple(size)
     channels = getattr(config, "num_channels", 3)
     return torch.randn(batch_size, channels, h, w, generator=gen).to(device=device, dtype=dtype)  # (B, C, H, W)
+
+
+def _has_vocab(config: Any) -> bool:
+    try:
+        return _vocab_size(config) > 0
+    except MissingExampleInputsError:
+        return False
 
 
 def _vocab_size(config: Any) -> int:

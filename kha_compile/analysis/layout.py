@@ -45,7 +45,7 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
     if isinstance(val, torch.Tensor):
         try:
             return tuple(int(s) for s in val.shape)
-        except (TypeError, ValueError):  # symbolic sizes
+        except Exception:  # symbolic sizes; an unbacked (data-dependent) size raises a guard error
             return None
     return None
 
@@ -153,6 +153,8 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
         raise NotLayout(f"{node.target} is not a layout op")
     if not node.args or node.args[0] is not data_input:
         raise NotLayout("data input is not the first argument")
+    if node.target in IDENTITY_OPS:  # casts and copies (x.type_as(v) reads only v's dtype)
+        return idx
     rest = [a for a in node.args[1:]]
     if any(isinstance(a, Node) for a in rest):
         raise NotLayout("non-constant layout argument")

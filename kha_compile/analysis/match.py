@@ -22,7 +22,9 @@ from typing import cast
 import torch
 from torch.fx import Node
 
+from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
+from .joint import resolve_role, through_cat
 from .layout import LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
 from .rules import Anchor, attention_rules
 
@@ -42,6 +44,7 @@ class RoleMatch:
     shared_piece: bool  # the head vector also takes features shared by all heads (MLA decoupled RoPE)
     rope: bool
     qk_norm: bool
+    joined: bool = False  # the walk went through a sequence-axis cat with other projections (joint streams)
 
 
 @dataclasses.dataclass
@@ -53,6 +56,13 @@ class RawSite:
     reason: str = ""  # why it was skipped, when roles is incomplete
     mla: bool = False
     cross: bool = False
+    # role -> the other projections feeding it (joint streams, sums; see .joint) and how they join
+    joint: dict[str, list[RoleMatch]] = dataclasses.field(default_factory=dict)
+    join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum"
+
+    def all_roles(self) -> list[RoleMatch]:
+        """Every role match of the site, the other projections of joint roles included."""
+        return [*self.roles.values(), *(m for ms in self.joint.values() for m in ms)]
 
 
 def _trig_near(node: Node, depth: int = 8) -> bool:
@@ -71,9 +81,13 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
 
 
 def _role_match(
-    g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection
+    g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection, head_axis: int = -1
 ) -> tuple[RoleMatch | None, str]:
-    """Push the projection's feature index to ``target`` and read the head map at the head split."""
+    """Push the projection's feature index to ``target`` and read the head map at the head split.
+
+    ``head_axis``: the axis of ``target`` holding the head vector (the last, unless the rule says
+    otherwise: K^T, an einsum over (B*H, Dh, T) tensors).
+    """
     path = g.path_nodes(proj.node, target)
     if not path:
         return None, f"{role}: no path from {proj.node.name} to {target.name}"
@@ -105,6 +119,7 @@ def _role_match(
             expect[i] = expect[i + 1]
     found: HeadMap | None = None
     stop = ""
+    joined = False
     path_set = set(path)
     for i, node in enumerate(chain):
         if i > 0:
@@ -115,7 +130,10 @@ def _role_match(
                     idx, prev = idx[gets[0].args[1]], gets[0]
             direct = bool(node.args) and node.args[0] is prev and node.target not in ALLOC_OPS
             try:
-                if direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
+                if node.target is aten.cat.default and prev in cast(list, node.args[0]) and expect[i - 1] == expect[i]:
+                    idx = through_cat(idx, node, prev)  # joint streams: a sequence-axis cat is layout
+                    joined = True
+                elif direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
                     idx = push_layout(idx, node, prev, g.constants)
                 elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
                     pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
@@ -129,8 +147,11 @@ def _role_match(
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
                 stop = f"stopped at {node.name}: {exc}"
                 break
-        if isinstance(idx, torch.Tensor) and idx.shape[-1] == expect[i]:
-            hm = read_head_map(idx)
+        here = idx
+        if node is target and isinstance(idx, torch.Tensor) and head_axis % max(idx.dim(), 1) != idx.dim() - 1:
+            here = idx.movedim(head_axis, -1)  # the head vector on another axis at the attention
+        if isinstance(here, torch.Tensor) and here.shape[-1] == expect[i]:
+            hm = read_head_map(here)
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
@@ -141,7 +162,7 @@ def _role_match(
         n.target is aten.view_as_complex.default for n in path
     )
     qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
-    return RoleMatch(role, proj, found, shared, rope, qk_norm), ""
+    return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), ""
 
 
 _SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)
@@ -240,9 +261,11 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
 
 
 def _anchors(g: MatchGraph) -> list[Anchor]:
-    """The anchor of each attention op: the first registered rule that recognises it."""
+    """The anchor of each attention op: the first registered rule that recognises it; then an
+    ``unmatched`` anchor for each attention softmax no rule claimed (:mod:`.completeness`)."""
     rules = attention_rules()
     out = []
+    claimed: set[Node] = set()
     for node in g.graph.nodes:
         if node.op != "call_function":
             continue
@@ -250,13 +273,18 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
             anchor = rule.match(g, node)
             if anchor is not None:
                 out.append(anchor)
+                claimed.update((node, anchor.node))
                 break
-    return out
+    extra = unclaimed(g, claimed)
+    return sorted(out + extra, key=lambda a: g.order[a.node]) if extra else out
 
 
-def find_sites(exported) -> list[RawSite]:
-    """Every attention site in the graph, matched or with the reason it was skipped."""
-    g = MatchGraph(exported)
+def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]:
+    """Every attention site in the graph, matched or with the reason it was skipped.
+
+    ``aliases``: other paths of modules reachable by several -> their first path (``Capture.aliases``).
+    """
+    g = MatchGraph(exported, aliases)
     sites = []
     for anchor in _anchors(g):
         node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason
@@ -270,32 +298,37 @@ def find_sites(exported) -> list[RawSite]:
             continue
         problems = []
         for role, target in roles.items():
-            projs, why = g.find_projections(target)
-            if not projs:
-                problems.append(
-                    f"{role}: no projection found walking back from {target.name}" + (f" ({why})" if why else "")
-                )
-                continue
+            # the role's node, and other pieces of the same heads (local + global tokens), each walked back
+            targets = [(target, anchor.head_axes.get(role, -1)), *anchor.extra.get(role, ())]
             matches: list[RoleMatch] = []
             whys: list[str] = []
-            for proj in projs:
-                m, w = _role_match(g, role, target, dims[role], proj)
-                if m is not None:
-                    matches.append(m)
-                else:
-                    whys.append(w)
+            for piece, axis in targets:
+                projs, why = g.find_projections(piece)
+                if not projs:
+                    whys.append(
+                        f"{role}: no projection found walking back from {piece.name}" + (f" ({why})" if why else "")
+                    )
+                for proj in projs:
+                    m, w = _role_match(g, role, piece, dims[role], proj, axis)
+                    if m is not None:
+                        matches.append(dataclasses.replace(m, joined=True) if len(targets) > 1 else m)
+                    else:
+                        whys.append(w)
+            if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
+                matches = []
             if not matches:
                 problems.append("; ".join(whys))
                 continue
             per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
-            if len(per_head) > 1:
-                names = ", ".join(m.projection.module_path for m in per_head)
-                problems.append(f"{role}: the head vector comes from several per-head projections ({names})")
+            chosen, others, join, problem = resolve_role(g, role, target, per_head)
+            if chosen is None:
+                problems.append(problem)
                 continue
-            chosen = per_head[0]
-            if len(matches) > 1:
+            if len(matches) > len(per_head):
                 chosen = dataclasses.replace(chosen, shared_piece=True)
             site.roles[role] = chosen
+            if others:
+                site.joint[role], site.join[role] = others, join
         if problems:
             site.reason = "; ".join(problems)
         if set(site.roles) == {"q", "k", "v"}:

@@ -35,6 +35,9 @@ __all__ = [
     "PROJ_TARGETS",
     "ParamPiece",
     "bias_pieces",
+    "conv_groups",
+    "einsum_subscripts",
+    "feature_axis_last",
     "param_chain",
     "post_bias",
     "projection_info",
@@ -45,6 +48,7 @@ __all__ = [
 aten = torch.ops.aten
 
 PROJ_TARGETS = {
+    aten.conv1d.default,  # pointwise (kernel 1) only: a linear over the channel axis of (B, C, T)
     aten.linear.default,
     aten.addmm.default,
     aten.matmul.default,
@@ -70,8 +74,13 @@ class ParamPiece:
     kind: str = "weight"  # "weight" | "bias" | "buffer" (a buffer must hold zeros on the touched features)
 
 
-def _eq_operands(eq: str, ndims: list[int], out_ndim: int) -> tuple[list[str], str]:
-    """Split an einsum equation into per-operand letters and output letters, expanding '...'."""
+def einsum_subscripts(eq: str, ndims: list[int], out_ndim: int) -> tuple[list[str], str]:
+    """Split an einsum equation into per-operand letters and output letters, expanding '...'.
+
+    Example::
+
+        einsum_subscripts("...qd,...kd->...qk", [4, 4], 4)   # (['\u010e\u010fqd', '\u010e\u010fkd'], '\u010e\u010fqk')
+    """
     eq = eq.replace(" ", "")
     if "->" not in eq:
         raise NotLayout("implicit einsum output")
@@ -107,6 +116,8 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     t = node.target
     x: Argument
     w: Argument
+    if t is aten.conv1d.default:
+        return _pointwise_conv(node, out_shape)
     if t is aten.einsum.default:
         raw = node.args[1]
         operands = [o for o in raw if isinstance(o, Node)] if isinstance(raw, (list, tuple)) else []
@@ -119,7 +130,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
             if ws is None or xs is None:
                 continue
             try:
-                specs, out = _eq_operands(
+                specs, out = einsum_subscripts(
                     cast(str, node.args[0]), [len(xs), len(ws)] if wi else [len(ws), len(xs)], len(out_shape)
                 )
             except NotLayout:
@@ -159,6 +170,54 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     if not isinstance(w, Node) or not isinstance(x, Node):
         return []
     return [(x, w, axes, torch.arange(out_shape[-1]).expand(out_shape))]
+
+
+def _pointwise_conv(node: Node, out_shape: tuple[int, ...]) -> list[tuple[Node, Node, tuple[int, ...], Tensor]]:
+    """``conv1d`` with kernel 1 (stride 1, no padding): features on the channel axis. A grouped one
+    (SqueezeBERT) is a block-diagonal linear; :func:`conv_groups` tells the handler its groups."""
+    x, w = node.args[0], node.args[1]
+    ws = shape_of(w)
+    rest = list(node.args[3:]) + [None] * 4
+    stride, padding, dilation, groups = rest[:4]
+    if (
+        not isinstance(x, Node)
+        or not isinstance(w, Node)
+        or ws is None
+        or len(ws) != 3
+        or ws[2] != 1
+        or stride not in (None, 1, [1], (1,))
+        or padding not in (None, 0, [0], (0,))
+        or dilation not in (None, 1, [1], (1,))
+        or not isinstance(groups, (int, type(None)))
+    ):
+        return []
+    channel = len(out_shape) - 2  # (B, C, T), or (C, T) unbatched
+    view = [1] * len(out_shape)
+    view[channel] = ws[0]
+    return [(x, w, (0,), torch.arange(ws[0]).reshape(view).expand(out_shape))]
+
+
+def conv_groups(node: Node) -> int:
+    """The number of groups of a ``conv1d`` projection node (1 for any other op).
+
+    Example::
+
+        conv_groups(node)     # 4 for SqueezeBERT's query conv
+    """
+    if node.target is not aten.conv1d.default or len(node.args) < 7:
+        return 1
+    groups = node.args[6]
+    return groups if isinstance(groups, int) else 1
+
+
+def feature_axis_last(node: Node, out_index: Tensor) -> Tensor:
+    """``out_index`` with the feature axis last, as a bias added to the op's output broadcasts.
+
+    Example::
+
+        feature_axis_last(conv_node, idx)      # (B, C, T) -> (B, T, C)
+    """
+    return out_index.movedim(-2, -1) if node.target is aten.conv1d.default else out_index
 
 
 def _numel(shape: tuple[int, ...], axes: tuple[int, ...]) -> int:

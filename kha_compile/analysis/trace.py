@@ -20,7 +20,16 @@ from torch import nn
 
 from ..core.errors import TraceError
 
-__all__ = ["Capture", "block_signature", "capture"]
+__all__ = [
+    "Capture",
+    "block_signature",
+    "called_modules",
+    "capture",
+    "index_attrs",
+    "module_aliases",
+    "no_cache",
+    "unrun_modules",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +64,7 @@ def block_signature(module: nn.Module, ignore: frozenset = frozenset()) -> tuple
     return tuple(parts)
 
 
-def _index_attrs(blocks: nn.ModuleList) -> frozenset:
+def index_attrs(blocks: nn.ModuleList) -> frozenset:
     """Attributes that hold the block's own position in every block (layer_idx, layer_id, ...)."""
     found = None
     for i, block in enumerate(blocks):
@@ -75,14 +84,29 @@ def _index_attrs(blocks: nn.ModuleList) -> frozenset:
 class Capture:
     """An exported graph plus the map from traced module paths to the model's real ones."""
 
-    exported: Any  # torch.export.ExportedProgram
+    exported: Any  # torch.export.ExportedProgram of the whole model (None when traced per submodule)
     # traced list path (e.g. "model.layers") -> for each traced position, the original indices it stands for
     groups: dict[str, list[list[int]]]
     seconds: float
+    path: str = "whole model"  # how it was traced (the report shows it)
+    # per-submodule tracing: (module path, program) of each traced submodule, paths relative to it
+    parts: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, why)
+    # a module reachable by several paths (one block shared by two layers): other path -> its first path
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.exported.graph
+
+    def programs(self) -> list[tuple[str, Any]]:
+        """(module path prefix, exported program) of every traced part: the whole model is one part."""
+        return list(self.parts) if self.exported is None else [("", self.exported)]
+
+    @property
+    def traced_blocks(self) -> int:
+        """Repeated blocks traced once for all their copies."""
+        return sum(sum(1 for p in positions if p) for positions in self.groups.values())
 
     def expand_path(self, path: str) -> list[str]:
         """All module paths in the real model that a traced module path stands for."""
@@ -118,7 +142,7 @@ def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list
             reps: dict[tuple, int] = {}
             positions: list[list[int]] = []
             keep: list[nn.Module] = []
-            ignore = _index_attrs(module)
+            ignore = index_attrs(module)
             for i, block in enumerate(module):
                 sig = block_signature(block, ignore)
                 if sig in reps:
@@ -156,10 +180,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs):
+        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs), no_cache(model):
+            unrun: list[str] = []
             try:
                 with _representatives(model, dedupe_blocks) as groups:
                     ep = _export_grad_or_not(model, t_args, t_kwargs)
+                    aliases = module_aliases(model)
+                    if groups:
+                        unrun = unrun_modules(model, ep)
+                path = "one block per type" if groups else "whole model"
             except TraceError:
                 if not (dedupe_blocks and groups):
                     raise
@@ -167,12 +196,121 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
                 log.info("tracing one block per type failed for %s; tracing every block", type(model).__name__)
                 groups = {}
                 ep = _export_grad_or_not(model, t_args, t_kwargs)
+                aliases = module_aliases(model)
+                path = "whole model (the one-block-per-type trace failed)"
+            if unrun:
+                # a representative did not run a block its copies may run (zip(attns, resnets[1:]) over a
+                # list cut to one): trace every block, so no attention is left out
+                log.info(
+                    "%s: %d modules did not run when one block per type was traced (e.g. %s); tracing every block",
+                    type(model).__name__,
+                    len(unrun),
+                    unrun[0],
+                )
+                groups = {}
+                ep = _export_grad_or_not(model, t_args, t_kwargs)
+                aliases = module_aliases(model)
+                path = f"whole model ({unrun[0]} did not run in the one-block-per-type trace)"
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(was_training)
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
-    return Capture(ep, groups, seconds)
+    return Capture(ep, groups, seconds, path, aliases=aliases)
+
+
+@contextlib.contextmanager
+def no_cache(model: nn.Module) -> Iterator[None]:
+    """``config.use_cache = False`` for the trace (a transformers model whose forward does not name
+    ``use_cache`` still reads it from its config; a cache object in the output is no pytree)."""
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if not isinstance(old, bool) or not old:
+        yield
+        return
+    try:
+        config.use_cache = False  # type: ignore[union-attr]
+    except Exception:  # a frozen config: leave it
+        yield
+        return
+    try:
+        yield
+    finally:
+        config.use_cache = old  # type: ignore[union-attr]
+
+
+def module_aliases(model: nn.Module) -> dict[str, str]:
+    """Every other path of a module reachable by several (a block shared by two layers) -> its first path;
+    and ``"=" + name`` -> ``"|"``-joined names of a parameter tied between modules.
+
+    Example::
+
+        module_aliases(model)    # {"layers.2.shared": "layers.1.shared", "layers.2.shared.q": ...}
+    """
+    first = {id(m): p for p, m in model.named_modules()}
+    aliases = {p: first[id(m)] for p, m in model.named_modules(remove_duplicate=False) if first[id(m)] != p}
+    names: dict[int, list[str]] = {}
+    for p, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(p)
+    for group in names.values():  # a parameter tied between modules (not one module on two paths)
+        owners = {aliases.get(n.rpartition(".")[0], n.rpartition(".")[0]) for n in group}
+        if len(owners) > 1:
+            for n in group:
+                aliases["=" + n] = "|".join(group)
+    return aliases
+
+
+def called_modules(model: nn.Module, exported: Any) -> set[int]:
+    """Ids of the modules of ``model`` whose forward left ops in the exported graph.
+
+    Example::
+
+        id(model.layers[0]) in called_modules(model, exported)
+    """
+    called: set[int] = set()
+    paths: set[str] = set()
+    for gm in exported.graph_module.modules():  # wrapped regions (no_grad, autocast) are subgraphs
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+                paths.add(path)
+    for path in paths:
+        try:
+            called.add(id(model.get_submodule(path)))
+        except AttributeError:
+            continue
+    called.add(id(model))
+    return called
+
+
+def unrun_modules(model: nn.Module, exported: Any) -> list[str]:
+    """Paths of modules holding parameters of their own that nothing in the graph used.
+
+    A module counts as run when its forward left ops in the graph, or when another module read its
+    parameters (``F.linear(x, self.qkv.weight)``, ``nn.MultiheadAttention.out_proj``).
+
+    Example::
+
+        unrun_modules(model, torch.export.export(model, (x,), strict=False))   # [] when all ran
+    """
+    called = called_modules(model, exported)
+    used: set[int] = set()
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    for ph, name in exported.graph_signature.inputs_to_parameters.items():
+        node = placeholders.get(ph)
+        if node is not None and node.users:
+            try:
+                used.add(id(model.get_parameter(name)))
+            except AttributeError:
+                continue
+    out = []
+    for path, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if id(module) in called or not own or any(id(p) in used for p in own) or ".kha." in f".{path}.":
+            continue  # KHA's own transforms of a parametrized weight are read when the weight is
+        out.append(path)
+    return out
 
 
 _NO_BACKWARD = ("does not support backward",)  # e.g. "FlexAttention does not support backward on CPU"

@@ -13,9 +13,43 @@ from typing import Any
 
 from torch import nn
 
+from .errors import UnsupportedModelError
+
 __all__ = ["mixin_class", "module_class_named"]
 
 _CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _assignable(base_cls: type, cls: type) -> bool:
+    """Whether an instance of ``base_cls`` can take ``cls`` as its ``__class__`` (same object layout)."""
+    try:
+        probe: Any = object.__new__(base_cls)
+    except TypeError:  # a class object.__new__ cannot make: assume yes, the switch itself will tell
+        return True
+    try:
+        object.__setattr__(probe, "__class__", cls)
+    except TypeError:
+        return False
+    return True
+
+
+def _mixin_first_class(mixin: type, base_cls: type, name: str, namespace: dict[str, Any]) -> type:
+    """``class <name>(base_cls, mixin)`` whose method order still puts ``mixin`` first.
+
+    A base whose primary base is not ``nn.Module`` (``class Attn(ABC, nn.Module)``) has another
+    layout chain than ``(mixin, base_cls)``, and Python refuses that ``__class__`` switch. With
+    ``base_cls`` first, the layout is the base's own; a metaclass derived from the base's puts the
+    mixin's methods in front again (its ``mro``), so ``super()`` in the mixin reaches the base.
+    """
+    meta: Any = type(base_cls)
+    head = [c for c in mixin.__mro__ if c not in base_cls.__mro__]
+
+    def mro(cls: type) -> list[type]:
+        return [cls, *head, *base_cls.__mro__]
+
+    ordered: Any = type(meta)(f"_MixinFirst{meta.__name__}", (meta,), {"mro": mro, "__module__": __name__})
+    cls: type = ordered(name, (base_cls, mixin), namespace)
+    return cls
 
 
 def mixin_class(mixin: type, base_cls: type, name: str, module: str, **attrs: Any) -> type:
@@ -28,7 +62,16 @@ def mixin_class(mixin: type, base_cls: type, name: str, module: str, **attrs: An
     """
     cls = _CLASSES.get((mixin, base_cls))
     if cls is None:
-        cls = type(name, (mixin, base_cls), {"__module__": module, "__qualname__": name, **attrs})
+        namespace = {"__module__": module, "__qualname__": name, **attrs}
+        cls = type(name, (mixin, base_cls), dict(namespace))
+        if not _assignable(base_cls, cls):  # e.g. class Attn(ABC, nn.Module): another layout chain
+            cls = _mixin_first_class(mixin, base_cls, name, dict(namespace))
+            if not _assignable(base_cls, cls):
+                raise UnsupportedModelError(
+                    f"kha_compile cannot give {base_cls.__qualname__} its KHA subclass: Python refuses the "
+                    f"__class__ switch (the object layouts differ; bases {[b.__name__ for b in base_cls.__bases__]}). "
+                    "Put nn.Module (or the projection class) first among its bases."
+                )
         _CLASSES[(mixin, base_cls)] = cls
         owner = sys.modules.get(module)
         if owner is not None:

@@ -30,6 +30,16 @@ class AttentionSite:
     anchor: str = ""  # "sdpa" | "manual_softmax"
     transforms: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "linear" | "mlp"
     note: str = ""  # e.g. why a requested transform was changed
+    # role -> the other projections feeding it (joint streams: "cat" along the sequence; sums: "sum"),
+    # each applying the same shared transform as the role's own projection
+    joint: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    join: dict[str, str] = dataclasses.field(default_factory=dict)
+    found: list[str] = dataclasses.field(default_factory=list)  # skipped: roles traced back to a projection
+
+    def projections(self, role: str) -> list[str]:
+        """Every projection module path of ``role``: its own, then those of joint streams."""
+        own = getattr(self, f"{role}_proj")
+        return ([own] if own else []) + list(self.joint.get(role, []))
 
     @property
     def matched(self) -> bool:
@@ -54,6 +64,8 @@ class Report:
     sites: list[AttentionSite]
     trace_seconds: float = 0.0
     traced_blocks: int = 0
+    trace_path: str = "whole model"  # how the graph was captured: whole model, one block per type, per submodule
+    untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (submodule, why) not traced
 
     @property
     def matched(self) -> list[AttentionSite]:
@@ -68,7 +80,7 @@ class Report:
         for s in self.sites:
             if s.matched:
                 tf = ",".join(f"{r}:{k}" for r, k in sorted(s.transforms.items())) or "-"
-                projs = "/".join(sorted({p.rpartition(".")[2] for p in (s.q_proj, s.k_proj, s.v_proj) if p}))
+                projs = "/".join(sorted({p.rpartition(".")[2] for r in "qkv" for p in s.projections(r)}))
                 rows.append(
                     [
                         s.name,
@@ -92,7 +104,10 @@ class Report:
     def __str__(self) -> str:
         rows = [self.HEADER, *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEADER) - 1)]
-        lines = [f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped"]
+        lines = [
+            f"{self.model}: {len(self.matched)} attention sites matched, {len(self.skipped)} skipped "
+            f"(traced: {self.trace_path})"
+        ]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else ""))
         return "\n".join(lines).rstrip()
@@ -101,4 +116,4 @@ class Report:
         return len(self.sites)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "sites": [s.to_dict() for s in self.sites]}
+        return {"model": self.model, "trace_path": self.trace_path, "sites": [s.to_dict() for s in self.sites]}

@@ -39,6 +39,9 @@ class PlanEntry:
     strategy: str = "auto"  # linear KHA execution: "auto" | "weight" | "token" (kha_compile.model.strategy)
     extra: Any = None  # a handler's own plan, for handlers that plan roles themselves (``plans_roles``)
     parent: nn.Module | None = dataclasses.field(default=None, repr=False)  # set by insert: the module holding it
+    # joint streams: role -> the module path whose transform this projection shares (not registered here)
+    borrow: dict[str, str] = dataclasses.field(default_factory=dict)
+    borrowed: Any = dataclasses.field(default=None, repr=False)  # set by insert: the KHATransforms shared
 
 
 def owner_of(model: nn.Module, m: RoleMatch) -> nn.Module | None:
@@ -136,7 +139,16 @@ class ModuleProjectionHandler(ProjectionHandler):
         return isinstance(module, KHAProjection)
 
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
-        attach(module, tuple(entry.slots), entry.kinds, entry.out_features, handler=self.name, strategy=entry.strategy)
+        attach(
+            module,
+            tuple(entry.slots),
+            entry.kinds,
+            entry.out_features,
+            handler=self.name,
+            strategy=entry.strategy,
+            transforms=entry.borrowed,
+            borrowed=entry.borrowed is not None,
+        )
 
     def detach(self, module: nn.Module) -> None:
         detach(module)

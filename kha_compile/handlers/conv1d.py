@@ -28,7 +28,12 @@ class Conv1DHandler(ModuleProjectionHandler):
 
     def accepts(self, model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         owner = owner_of(model, m)
-        if owner is None or not m.projection.is_module_call or isinstance(owner, nn.Linear):
+        if (
+            owner is None
+            or not m.projection.is_module_call
+            or not m.projection.features_last
+            or isinstance(owner, nn.Linear)
+        ):
             return False, ""
         out_features = int(m.projection.feature_map.numel())
         return (weight_out_axis(owner, out_features) == 1), ""

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..analysis.match import RoleMatch
+from ..analysis.params import conv_groups
 from ..core.errors import AlreadyAppliedError, InternalError
 from ..model.carrier import KHATransforms, is_kha_projection, make_transform, set_handler, transforms_of
 from ..model.parametrized import (
@@ -109,6 +110,15 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
     proj = m.projection
     if proj.is_module_call and proj.features_last:
         return False, ""
+    groups = conv_groups(proj.node)
+    if groups > 1:  # a grouped pointwise conv: block-diagonal, so a head must read one group of inputs
+        per_group = int(proj.feature_map.numel()) // groups
+        group_of_head = m.head_map.index // per_group
+        if bool((group_of_head != group_of_head[:, :1]).any()):
+            return False, (
+                f"{m.role}: the heads of {proj.param} span several of its {groups} conv groups; a shared "
+                "transform would mix output channels that read different inputs"
+            )
     if proj.pieces_reason:
         return False, f"{m.role}: {proj.pieces_reason} (projection on {proj.param})"
     slots, why = _param_slots(m)
@@ -118,7 +128,9 @@ def accepts(model: nn.Module, m: RoleMatch) -> tuple[bool, str]:
         home = model.get_submodule(proj.module_path)
     except AttributeError:
         return False, f"{m.role}: {proj.module_path!r} (calling the projection on {proj.param}) is not a submodule"
-    if isinstance(home, nn.MultiheadAttention) or is_kha_projection(home):
+    if isinstance(home, nn.MultiheadAttention):
+        return False, ""  # the mha handler's; it says why when it declines
+    if is_kha_projection(home):
         return False, f"{m.role}: {proj.param} is used inside {type(home).__name__}, which another handler owns"
     for path, kind, slot in slots:
         owner, attr = _owner_attr(path)
@@ -171,9 +183,8 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     inv = torch.empty_like(feats)
     inv[feats] = torch.arange(feats.numel())
     node = m.projection.node
-    post = node.target not in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default) and any(
-        p.kind != "weight" for p in m.projection.pieces
-    )
+    inside = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.conv1d.default)
+    post = node.target not in inside and any(p.kind != "weight" for p in m.projection.pieces)
     return axes, inv[m.head_map.index], post
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..model.carrier import KHATransforms, transforms_of
 from . import PlanEntry, get_handler
 
 __all__ = ["insert"]
@@ -18,10 +19,14 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
         insert(model, plan)
     """
     count = 0
-    for entry in plan:
+    for entry in sorted(plan, key=lambda e: bool(e.borrow)):  # owners first: borrowers share their transforms
         module = model.get_submodule(entry.module_path)
         parent_path = entry.module_path.rpartition(".")[0]
         entry.parent = model.get_submodule(parent_path) if entry.module_path else None
+        if entry.borrow:  # joint streams: the owner's transform object, held here without registering it
+            entry.borrowed = KHATransforms(
+                {r: transforms_of(model.get_submodule(owner))[r] for r, owner in entry.borrow.items()}
+            )
         get_handler(entry.handler).attach(module, entry)
-        count += len(entry.kinds)
+        count += len(entry.kinds) - len(entry.borrow)
     return count

@@ -29,6 +29,11 @@ class LinearHandler(ModuleProjectionHandler):
         owner = owner_of(model, m)
         if owner is None:
             return False, f"{m.role}: projection owner {m.projection.module_path!r} is not a submodule"
+        if m.projection.is_module_call and not m.projection.features_last:
+            return False, (
+                f"{m.role}: the features of {m.projection.module_path} are not on the last axis of its output "
+                f"({type(owner).__name__}); no insertion handler takes that projection"
+            )
         if m.projection.is_module_call:
             return True, ""
         return False, (

@@ -18,6 +18,7 @@ from torch import nn
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
 from ..analysis.trace import Capture
+from ..core.errors import UnsupportedModelError
 from ..core.kinds import Role, SiteKind
 from ..core.report import AttentionSite
 from ..model.carrier import transforms_of
@@ -59,7 +60,11 @@ def build_sites(
         copies = _copies(raw, cap)
         if raw.reason or set(raw.roles) != {"q", "k", "v"}:
             for name, _ in copies:
-                sites.append(AttentionSite(name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor))
+                sites.append(
+                    AttentionSite(
+                        name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor, found=sorted(raw.roles)
+                    )
+                )
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
         kind: SiteKind = (
@@ -71,7 +76,9 @@ def build_sites(
                 "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
             )
         )
-        handlers = {r: choose_handler(model, raw.roles[r]) for r in "qkv"}
+        # handlers look at the real modules: the traced paths of a repeated block name its first copy
+        first = copies[0][1]
+        handlers = {r: choose_handler(model, _realized(raw.roles[r], first)) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
         note = MLA_NOTE if kind == "mla" else ""
@@ -87,11 +94,19 @@ def build_sites(
                 bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
             else:
                 slots[r] = s
+        joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
+        bad.extend(why)
+        bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
-                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor))
+                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
+            paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
+            others = {
+                r: [rename(p) for p in dict.fromkeys(m.projection.module_path for m in ms) if p != paths_own[r]]
+                for r, ms in raw.joint.items()
+            }
             site = AttentionSite(
                 name,
                 "matched",
@@ -107,6 +122,8 @@ def build_sites(
                 qk_norm=q.qk_norm or k.qk_norm,
                 anchor=raw.anchor,
                 note=note,
+                joint=others,
+                join=dict(raw.join),
             )
             current_transforms(model, site, paths)
             notes = [
@@ -136,7 +153,132 @@ def build_sites(
                     continue
                 entry.slots.append(slots[r])
                 entry.kinds[r] = tk
+            for r, js in joint.items():
+                for jpath, jhandler, jslot, width in js:
+                    _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
+    _share_tied(model, plan)
     return sites, list(plan.values())
+
+
+def _share_tied(model: nn.Module, plan: dict[str, PlanEntry]) -> None:
+    """Projection modules whose weight is one tied parameter (Zamba2's shared blocks) share one
+    transform per role: the first registers it, the others hold it, so fold stays exact."""
+    first: dict[int, PlanEntry] = {}
+    root: dict[str, str] = {}
+    for entry in plan.values():
+        if entry.borrow or entry.extra is not None:  # functional entries parametrize; not shared here
+            continue
+        try:
+            weight = model.get_submodule(entry.module_path).get_parameter("weight")
+        except AttributeError:
+            continue
+        owner = first.setdefault(id(weight), entry)
+        if owner is entry:
+            continue
+        if owner.kinds != entry.kinds or sorted(map(str, owner.slots)) != sorted(map(str, entry.slots)):
+            raise UnsupportedModelError(
+                f"{entry.module_path} and {owner.module_path} share one weight but would get different KHA "
+                f"({entry.kinds} vs {owner.kinds}); their transforms could not be folded into it."
+            )
+        entry.borrow = dict.fromkeys(entry.kinds, owner.module_path)
+        root[entry.module_path] = owner.module_path
+    for entry in plan.values():  # a projection that borrowed from a tied one borrows from its owner
+        entry.borrow = {r: root.get(p, p) for r, p in entry.borrow.items()}
+
+
+def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
+    """Roles that read the same output features of one projection (K = V, shared QK): a transform
+    there would change both, which is not KHA, so the site is skipped."""
+    out = []
+    for r1, r2 in (("q", "k"), ("k", "v"), ("q", "v")):
+        a, b = raw.roles[r1], raw.roles[r2]
+        if a.projection.node is not b.projection.node or not (r1 in kinds or r2 in kinds):
+            continue
+        common = set(a.head_map.index.flatten().tolist()) & set(b.head_map.index.flatten().tolist())
+        if common:
+            out.append(
+                f"{r1} and {r2} are the same features of {a.projection.module_path or a.projection.param} "
+                f"({r1} = {r2}); a KHA transform on one would change the other"
+            )
+    return out
+
+
+def _realized(m: RoleMatch, rename: Callable[[str], str]) -> RoleMatch:
+    """``m`` with the module and parameter paths of the real model (``rename`` of the traced ones)."""
+    proj = m.projection
+    pieces = [dataclasses.replace(p, name=rename(p.name)) for p in proj.pieces]
+    real = dataclasses.replace(proj, param=rename(proj.param), module_path=rename(proj.module_path), pieces=pieces)
+    return dataclasses.replace(m, projection=real)
+
+
+def plan_joint(
+    model: nn.Module, raw: RawSite, kinds: dict[str, str], rename: Callable[[str], str] = lambda p: p
+) -> tuple[dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]], list[str]]:
+    """(role -> [(path, handler, slot, out features)] of the other projections sharing its transform, problems).
+
+    A projection that is the role's own (the same module called again, e.g. on global tokens) needs
+    nothing more. The others must be module calls (``linear``, ``conv1d``) with an affine layout;
+    a value that is a sum gets no MLP-value (not linear).
+
+    Example::
+
+        joint, problems = plan_joint(model, raw, {"v": "mlp"})   # {"v": [("img_v", handler, slot, 32)]}
+    """
+    out: dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]] = {}
+    bad: list[str] = []
+    for r, matches in raw.joint.items():
+        if r not in kinds:
+            continue
+        own = raw.roles[r].projection.module_path
+        if raw.join.get(r) == "sum" and not get_transform(kinds[r]).foldable:
+            names = ", ".join([own, *(m.projection.module_path for m in matches)])
+            bad.append(
+                f"{r}: the head vector is a sum of projections ({names}); {kinds[r]} KHA is not linear, so it "
+                "cannot go after each of them (a linear kind can)"
+            )
+            continue
+        for m in matches:
+            path = m.projection.module_path
+            if path == own:
+                continue  # one projection module called on several token sets: its carrier covers every call
+            handler, why = choose_handler(model, _realized(m, rename))
+            if handler is None or not handler.module_call or handler.plans_roles:
+                bad.append(
+                    f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
+                    f"a transform with ({why or (handler.name if handler else 'no handler')})"
+                )
+                continue
+            s = _slot(r, m, handler.param_space)
+            if s is None:
+                bad.append(f"{r}: head layout of {path} is not affine")
+                continue
+            out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))
+    return out, bad
+
+
+def _add_borrower(
+    plan: dict[str, PlanEntry],
+    path: str,
+    handler: ProjectionHandler,
+    slot: HeadSlot,
+    width: int,
+    kind: str,
+    owner: str,
+    cfg: KHAConfig | None,
+) -> None:
+    entry = plan.setdefault(
+        path, PlanEntry(path, handler.name, [], {}, width, cfg.strategy if cfg is not None else "auto")
+    )
+    if slot.role in entry.kinds:
+        return
+    if entry.kinds.keys() - entry.borrow.keys():
+        raise UnsupportedModelError(
+            f"{path} carries KHA of its own and shares another projection's for {slot.role} (joint "
+            "streams in an order kha_compile does not support); pass a KHAConfig without that role."
+        )
+    entry.slots.append(slot)
+    entry.kinds[slot.role] = kind
+    entry.borrow[slot.role] = owner
 
 
 def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]]:
@@ -151,9 +293,11 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
         real_prefix = f"{list_path}.{orig}."
 
         def rename(p: str, a: str = traced_prefix, b: str = real_prefix) -> str:
+            if p == a[:-1]:  # the block itself (a weight used functionally in the block's own forward)
+                return b[:-1]
             return b + p[len(a) :] if p.startswith(a) else p
 
-        out.append((rename(raw.name + ".")[:-1], rename))
+        out.append((rename(raw.name), rename))
     return out
 
 

@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..core.errors import FoldError
+from ..core.errors import FoldError, TracedPathError
 from ..core.mixins import mixin_class, module_class_named
 from ..core.optional import is_dtensor
-from .rows import base_class, fold_rows, weight_out_axis
+from .rows import base_class, fold_rows, projection_output, weight_out_axis
 from .sharded import adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
 from .strategy import check_strategy, swapped_params, use_weight_side
@@ -37,6 +37,7 @@ __all__ = [
     "carries_kha",
     "detach",
     "handler_name",
+    "is_borrower",
     "is_kha_projection",
     "kha_class_for",
     "kha_modules",
@@ -112,10 +113,26 @@ class KHAProjection(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         folded = self._kha_weight_side_roles(args, kwargs)
         if not folded:  # token-side: transform the projection output
-            return self.kha_transform(super().forward(*args, **kwargs))
+            return self._kha_output(super().forward(*args, **kwargs), ())
         with swapped_params(self, self.kha_fold(folded, detach=False)):
             y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
-        return self.kha_transform(y, skip=folded)
+        return self._kha_output(y, folded)
+
+    def _kha_output(self, y: Any, skip: Sequence[str]) -> Any:
+        """Transform the projection output; a module returning a tuple (a quantized linear's
+        ``(y, scale)``) gets its projection element (:func:`projection_output`) transformed."""
+        if isinstance(y, Tensor):
+            return self.kha_transform(y, skip=skip)
+        i = projection_output(y, self._kha_out_features)
+        if i is None:
+            raise TracedPathError(
+                f"{base_class(self).__name__} returned {type(y).__name__} with no tensor of "
+                f"{self._kha_out_features} features; KHA cannot find its projection output. Re-run kc.apply "
+                "with example inputs that take this code path."
+            )
+        items = list(y)
+        items[i] = self.kha_transform(items[i], skip=skip)
+        return type(y)(items) if type(y) in (tuple, list) else type(y)(*items)  # a namedtuple takes fields
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """``nn.Module.register_parameter``; a dotted name (torch's ``ColwiseParallel``) goes to its owner."""
@@ -210,13 +227,26 @@ def is_kha_projection(module: nn.Module) -> bool:
 
 
 def carries_kha(module: nn.Module) -> bool:
-    """True when ``module`` holds KHA transforms (a ``kha`` child), whichever handler attached them."""
-    return isinstance(module._modules.get("kha"), KHATransforms)
+    """True when ``module`` holds KHA transforms (a ``kha`` child, or transforms it shares with
+    another projection of a joint attention), whichever handler attached them."""
+    return isinstance(module._modules.get("kha"), KHATransforms) or is_borrower(module)
+
+
+def is_borrower(module: nn.Module) -> bool:
+    """True when ``module`` applies transforms registered in another projection (joint streams).
+
+    Example::
+
+        is_borrower(model.blocks[0].img_q)     # True: its T^Q is txt_qkv's
+    """
+    return isinstance(module.__dict__.get("kha"), KHATransforms)
 
 
 def transforms_of(module: nn.Module) -> KHATransforms:
-    """The ``kha`` child of a module that carries KHA (an empty one for a module that does not)."""
+    """The ``kha`` transforms of a module that carries KHA (an empty set for a module that does not)."""
     kha = module._modules.get("kha")
+    if not isinstance(kha, KHATransforms):
+        kha = module.__dict__.get("kha")
     return kha if isinstance(kha, KHATransforms) else KHATransforms()
 
 
@@ -250,12 +280,15 @@ def attach(
     weight_axis: int | str | None = "probe",
     mixin: type = KHAProjection,
     transforms: KHATransforms | None = None,
+    borrowed: bool = False,
 ) -> nn.Module:
     """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device.
 
     ``weight_axis``: the axis of ``module.weight`` that indexes output features ("probe": told by
     :func:`~kha_compile.model.rows.weight_out_axis`). ``transforms``: existing ones to carry (PEFT's
-    unload moves them between modules) instead of new ones at identity.
+    unload moves them between modules) instead of new ones at identity. ``borrowed``: the transforms
+    are another projection's (joint streams share one per role): held, not registered, so each
+    parameter has one name; fold folds them into this projection too.
 
     Example::
 
@@ -270,7 +303,10 @@ def attach(
     if weight_axis == "probe":
         weight_axis = weight_out_axis(module, out_features)
     module.__class__ = kha_class_for(type(module), mixin)
-    module.kha = transforms
+    if borrowed:
+        module.__dict__["kha"] = transforms  # a reference, not a child: the owner registers the parameters
+    else:
+        module.kha = transforms
     d = module.__dict__  # plain attributes (not parameters or modules)
     d["_kha_slots"] = tuple(slots)
     d["_kha_out_features"] = out_features

@@ -112,7 +112,18 @@ class ProjectionCall:
     post_add: bool = False  # the bias is added right after the op: transform the sum
 
 
-_PROJ_NAMES = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "addmm", "einsum", "tensordot", "bmm"}
+_PROJ_NAMES = {
+    "linear",
+    "matmul",
+    "__matmul__",
+    "__rmatmul__",
+    "mm",
+    "addmm",
+    "einsum",
+    "tensordot",
+    "bmm",
+    "conv1d",  # a pointwise (kernel 1) Conv1d projection in (B, C, T) layout
+}
 _LAYOUT_NAMES = {
     "t",
     "T",

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .slots import HeadSlot
 
-__all__ = ["base_class", "fold_rows", "weight_out_axis"]
+__all__ = ["base_class", "fold_rows", "projection_output", "weight_out_axis"]
 
 
 def fold_rows(
@@ -48,6 +48,24 @@ def fold_rows(
         b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim) @ t32
         b = b32.index_copy(0, idx, b_new.reshape(-1)).to(bias.dtype)
     return w.to(weight.dtype), b
+
+
+def projection_output(y: object, out_features: int | None) -> int | None:
+    """Index of the projection output in a module's tuple output (``(y, scale)`` of a quantized linear).
+
+    The first tensor element with ``out_features`` features on its last axis (any tensor when
+    ``out_features`` is None); None when there is none.
+
+    Example::
+
+        projection_output((torch.randn(2, 8), None), 8)     # 0
+    """
+    if not isinstance(y, (tuple, list)):
+        return None
+    for i, item in enumerate(y):
+        if isinstance(item, Tensor) and item.dim() > 0 and out_features in (None, item.shape[-1]):
+            return i
+    return None
 
 
 def base_class(module: nn.Module) -> type[nn.Module]:
@@ -88,6 +106,9 @@ def weight_out_axis(module: nn.Module, out_features: int | None = None) -> int |
                 y = forward(module, x.to(w.dtype).to(w.device))
         except Exception:  # the forward does not take this input shape: not this orientation
             continue
+        if not isinstance(y, Tensor):  # a module returning (y, scale): its projection element
+            i = projection_output(y, None)
+            y = y[i] if i is not None else y
         ref = x.to(w.device) @ ref_w + b
         if (
             isinstance(y, Tensor)

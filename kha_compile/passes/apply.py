@@ -11,8 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..analysis.inputs import example_inputs as _example_inputs
-from ..analysis.match import find_sites
-from ..analysis.trace import capture
+from ..analysis.submodules import trace_and_match
 from ..core.errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
 from ..core.report import Report
 from ..handlers import adapter as _adapter
@@ -53,11 +52,11 @@ def analyse(model: nn.Module, cfg: KHAConfig | None, example_args: Any, example_
     model = unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
     with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
-        cap = _step("trace", model, capture, model, args, kwargs)
-    raw = _step("match", model, find_sites, cap.exported)
+        # the whole model, or submodule by submodule where torch.export cannot trace it whole
+        cap, raw = _step("trace", model, trace_and_match, model, args, kwargs)
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
     _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
-    report = Report(type(model).__name__, sites, cap.seconds, sum(len(p) for p in cap.groups.values()))
+    report = Report(type(model).__name__, sites, cap.seconds, cap.traced_blocks, cap.path, list(cap.untraced))
     return report, plan
 
 
@@ -71,7 +70,12 @@ def _nothing_found(model: nn.Module, report: Report) -> str:
     unknown = [s for s in report.skipped if s.anchor == "unregistered"]
     known = [s for s in report.skipped if s.anchor != "unregistered"]
     if known:
-        what += " Attention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known)
+        near = max(known, key=lambda s: len(s.found))  # the candidate whose walk got furthest
+        found = f"{', '.join(near.found)} traced back to projections" if near.found else "no role traced back"
+        what += (
+            f"\nNearest candidate: {near.name} (rule {near.anchor}; {found}); the walk stopped: {near.reason}"
+            "\nAttention ops were found but skipped:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in known[:12])
+        )
     if unknown:
         what += (
             "\nThe graph has no attention op kha_compile knows, but ops that look like attention are not "
@@ -79,6 +83,10 @@ def _nothing_found(model: nn.Module, report: Report) -> str:
         )
     if not report.skipped:
         what += " The graph contains no attention op; check that the example inputs run the attention path."
+    if report.untraced:
+        what += f"\nTraced {report.trace_path}; these submodules could not be traced:\n" + "\n".join(
+            f"  {path}: {why}" for path, why in report.untraced[:8]
+        )
     return what
 
 

@@ -131,12 +131,13 @@ def test_non_pytree_inputs_are_bound_as_constants_and_forward_restored():
 
 @pytest.mark.parametrize("step", ["find_sites", "build_sites"])
 def test_an_unexpected_failure_is_a_kha_error_naming_the_step_and_the_model_is_untouched(monkeypatch, step):
+    from kha_compile.analysis import submodules
     from kha_compile.passes import apply as api
 
     def boom(*a, **k):
         raise IndexError("synthetic bug")
 
-    monkeypatch.setattr(api, step, boom)
+    monkeypatch.setattr(submodules if step == "find_sites" else api, step, boom)
     model = Stack(lambda: RopeAttention("complex"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     name = {"find_sites": "match", "build_sites": "plan"}[step]

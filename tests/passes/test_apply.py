@@ -366,8 +366,8 @@ def test_a_pickled_model_with_kha_loads_in_a_new_process(tmp_path):
 
 
 class HalfSupported(nn.Module):
-    """One attention KHA can take and one it must skip (nn.MultiheadAttention with add_bias_kv: the
-    learned bias row concatenated to k and v breaks the head split)."""
+    """One attention KHA can take and one it must skip (nn.MultiheadAttention with add_bias_kv: a
+    learned bias row concatenated to k and v, which its handler does not carry)."""
 
     def __init__(self):
         super().__init__()
@@ -390,8 +390,8 @@ def test_strict_apply_with_some_sites_skipped_inserts_the_rest_and_logs_each_ski
     report = kc.inspect(model, example_args=(x,))
     assert [s.name for s in report.matched] == ["ok.attn"], str(report)
     (skipped,) = report.skipped
-    assert skipped.name == "odd" and "k: no head split found" in skipped.reason, skipped.reason
-    assert any(r.message.startswith("KHA skipped odd: k: no head split") for r in caplog.records)
+    assert skipped.name == "odd" and "add_bias_kv/add_zero_attn is not supported" in skipped.reason, skipped.reason
+    assert any(r.message.startswith("KHA skipped odd: nn.MultiheadAttention with add_bias_kv") for r in caplog.records)
     assert set(kha_params(model)) == {"ok.attn.c_attn.kha.v.weight"}
     with torch.no_grad():
         assert torch.equal(model(x), ref)

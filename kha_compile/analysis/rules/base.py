@@ -31,9 +31,15 @@ class Anchor:
 
     node: Node  # the attention op node
     rule: str  # rule name, e.g. "sdpa", "manual_softmax"
-    roles: dict[str, Node]  # "q"/"k"/"v" -> node whose LAST axis is that role's head vector (empty if declined)
+    roles: dict[str, Node]  # "q"/"k"/"v" -> node holding that role's head vector (empty if declined)
     head_dims: dict[str, int]  # role -> expected head dim at the anchor
     reason: str = ""  # non-empty: looks like attention, declined, with why
+    # role -> the axis of the role's node that holds the head vector, where it is not the last
+    # (K^T in q @ k^T: -2; an einsum over (B*H, Dh, T) tensors: 1)
+    head_axes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # role -> other (node, head axis) pieces of the same heads, joined along the key axis (local
+    # plus global tokens: scores of several key sets concatenated, probabilities cut again)
+    extra: dict[str, tuple[tuple[Node, int], ...]] = dataclasses.field(default_factory=dict)
 
 
 class AttentionRule(Protocol):

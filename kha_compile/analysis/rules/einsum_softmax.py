@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.fx import Node
 
-from ..layout import shape_of
+from ..layout import NotLayout, shape_of
+from ..params import einsum_subscripts
 from . import register_rule
 from .base import Anchor
 
@@ -35,21 +36,62 @@ def _parse(node: Node) -> tuple[list[str], str, list[Node]] | None:
     if (
         not isinstance(eq, str)
         or "->" not in eq
-        or "..." in eq
         or not isinstance(operands, (list, tuple))
         or len(operands) != 2
         or not all(isinstance(o, Node) for o in operands)
     ):
         return None
-    lhs, out = eq.replace(" ", "").split("->")
-    ins = lhs.split(",")
+    ops = [cast(Node, o) for o in operands]
+    shapes = [shape_of(o) for o in ops]
+    out_shape = shape_of(node)
+    if any(s is None for s in shapes) or out_shape is None:
+        return None
+    try:  # '...' (block-local attention over (B, blocks, ...)) becomes stand-in letters
+        ins, out = einsum_subscripts(eq, [len(s) for s in shapes if s is not None], len(out_shape))
+    except NotLayout:
+        return None
     if len(ins) != 2:
         return None
-    return ins, out, [cast(Node, o) for o in operands]
+    return ins, out, ops
 
 
 def _contracted(ins: list[str], out: str) -> list[str]:
     return [c for c in ins[0] if c in ins[1] and c not in out]
+
+
+def _key_axis_cat(node: Any, depth: int = 6) -> Node | None:
+    """A ``cat`` along the last axis the scores went through (masks and scaling on the way)."""
+    for _ in range(depth):
+        if not isinstance(node, Node) or node.op != "call_function":
+            return None
+        shape = shape_of(node)
+        if node.target is aten.cat.default and shape is not None:
+            dim = node.args[1] if len(node.args) > 1 else 0
+            return node if isinstance(dim, int) and dim % len(shape) == len(shape) - 1 else None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _through_identity(node: Node) -> list[Node]:
+    """``node`` and its users through dropout and casts (the nodes a slice of the probabilities hangs on)."""
+    out: list[Node] = []
+    frontier = [node]
+    for _ in range(3):
+        nxt: list[Node] = []
+        for n in frontier:
+            out.append(n)
+            nxt.extend(u for u in n.users if u.target in (aten.dropout.default, aten._to_copy.default, aten.to.dtype))
+        frontier = nxt
+    return out + [u for n in out for u in n.users]
+
+
+def _sliced_keys(softmax: Node) -> bool:
+    shape = shape_of(softmax)
+    nodes = _through_identity(softmax)
+    return shape is not None and any(
+        n.target is aten.slice.Tensor and isinstance(n.args[1], int) and n.args[1] % len(shape) == len(shape) - 1
+        for n in nodes[1:]
+    )
 
 
 class EinsumSoftmaxRule:
@@ -77,7 +119,7 @@ class EinsumSoftmaxRule:
         qs, ks = shape_of(q), shape_of(k)
         if qs is None or ks is None:
             return Anchor(node, self.name, {}, {}, "score einsum inputs have symbolic shapes")
-        value = self._value(node)
+        value = self._value(g, node)
         if value is None:
             return Anchor(
                 node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it"
@@ -87,19 +129,41 @@ class EinsumSoftmaxRule:
         vs = shape_of(v)
         if len(vdims) != 1 or vs is None:
             return Anchor(node, self.name, {}, {}, f"value einsum {vnode.name} does not leave one head dim of v")
-        dims = {"q": qs[sq.index(c[0])], "k": ks[sk.index(c[0])], "v": vs[sv.index(vdims[0])]}
-        return Anchor(vnode, self.name, {"q": q, "k": k, "v": v}, dims)
+        axes = {"q": sq.index(c[0]), "k": sk.index(c[0]), "v": sv.index(vdims[0])}
+        dims = {"q": qs[axes["q"]], "k": ks[axes["k"]], "v": vs[axes["v"]]}
+        extra = self._pieces(g, node, q, k, v)
+        return Anchor(vnode, self.name, {"q": q, "k": k, "v": v}, dims, head_axes=axes, extra=extra)
+
+    def _pieces(self, g: MatchGraph, softmax: Node, q: Node, k: Node, v: Node) -> dict[str, tuple]:
+        """Local plus global tokens (PEGASUS-X): scores of several key sets joined by a ``cat`` along
+        the key axis, the probabilities cut along it again, each piece times its own values. The
+        other key and value tensors are pieces of the same heads: (node, head axis) per role."""
+        extra: dict[str, list] = {"k": [], "v": []}
+        cat = _key_axis_cat(softmax.args[0])
+        for inp in cast(list, cat.args[0]) if cat is not None else []:
+            found = self._score(g, softmax, start=inp)
+            if found is not None and found[2][0] is q and found[2][1] is not k:
+                (_, sk2), sout2, (_, k2) = found
+                c2 = _contracted([found[0][0], sk2], sout2)
+                if len(c2) == 1:
+                    extra["k"].append((k2, sk2.index(c2[0])))
+        for _, (sp, sv), vout, v2 in self._values(g, softmax):
+            vdims = [ch for ch in sv if ch in vout and ch not in sp]
+            if v2 is not v and len(vdims) == 1:
+                extra["v"].append((v2, sv.index(vdims[0])))
+        return {r: tuple(ns) for r, ns in extra.items() if ns}
 
     @staticmethod
-    def _score(g: MatchGraph, softmax: Node) -> Any:
-        frontier: list[Any] = [softmax.args[0]]
+    def _score(g: MatchGraph, softmax: Node, start: Any = None) -> Any:
+        frontier: list[Any] = [softmax.args[0] if start is None else start]
         for _ in range(10):  # masks, biases, scaling, soft-capping, casts
             nxt: list[Node] = []
             for n in frontier:
                 if not isinstance(n, Node) or n.op != "call_function":
                     continue
                 parsed = _parse(n)
-                if parsed is not None and not any(o.name in g.params for o in parsed[2]):
+                # not a projection (an einsum with a weight); a query made of parameters is fine
+                if parsed is not None and g.as_projection(n) is None and not all(g.is_param(o) for o in parsed[2]):
                     ins, out, ops = parsed
                     return (ins[0], ins[1]), out, (ops[0], ops[1])
                 if n.target in _SOFTMAX:
@@ -110,17 +174,32 @@ class EinsumSoftmaxRule:
             frontier = nxt
         return None
 
+    def _values(self, g: MatchGraph, softmax: Node) -> list[Any]:
+        """Every value einsum of a softmax whose probabilities are cut along the key axis."""
+        out = []
+        for piece in softmax.users if _sliced_keys(softmax) else []:
+            for user in _through_identity(piece):
+                if user.target is aten.slice.Tensor:
+                    found = self._value(g, user, depth=3)
+                    if found is not None:
+                        out.append(found)
+        return out
+
     @staticmethod
-    def _value(softmax: Node) -> Any:
+    def _value(g: MatchGraph, softmax: Node, depth: int = 6) -> Any:
+        """The einsum of the probabilities with v (either operand order); an einsum with a parameter
+        (talking heads: ``einsum("bhij,hg->bgij", p, W)`` mixes the heads) is stepped over."""
         frontier = [softmax]
-        for _ in range(6):  # dropout, casts, head masks
+        for _ in range(depth):  # dropout, casts, head masks, head mixing
             nxt: list[Node] = []
             for n in frontier:
                 for user in n.users:
                     parsed = _parse(user)
-                    if parsed is not None and parsed[2][0] is n:
+                    if parsed is not None and n in parsed[2]:
                         ins, out, ops = parsed
-                        return user, (ins[0], ins[1]), out, ops[1]
+                        i = ops.index(n)
+                        if not g.is_weight(ops[1 - i]):  # a weight here mixes the heads (talking heads)
+                            return user, (ins[i], ins[1 - i]), out, ops[1 - i]
                     if user.op == "call_function" and user.target not in _SOFTMAX:
                         nxt.append(user)
             if not nxt:

@@ -42,13 +42,14 @@ class ManualSoftmaxRule:
             q, kt = score.args[1], score.args[2]
         else:
             q, kt = score.args[0], score.args[1]
-        value_op = _value_op(node)
+        value_op = _value_op(g, node)
         if value_op is None:
             return Anchor(node, self.name, {}, {}, f"softmax {node.name} has scores but no value matmul after it")
         v = value_op.args[1]
         kt_shape = shape_of(kt) or (0, 0)
         dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
-        return Anchor(value_op, self.name, {"q": q, "k": kt, "v": v}, dims)  # type: ignore[dict-item]
+        roles = {"q": q, "k": kt, "v": v}
+        return Anchor(value_op, self.name, roles, dims, head_axes={"k": -2})  # type: ignore[arg-type]
 
 
 def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
@@ -70,14 +71,20 @@ def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
     return None
 
 
-def _value_op(softmax: Node) -> Node | None:
-    """The probs @ v op after the softmax (through dropout, casts, head masks)."""
+def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
+    """The probs @ v op after the softmax (through dropout, casts, head masks, and products with a
+    parameter that mix the heads: talking heads)."""
     frontier = [softmax]
     for _ in range(6):
         nxt = []
         for n in frontier:
             for user in n.users:
-                if user.target in SCORE_OPS and user.args and user.args[0] is n:
+                if (
+                    user.target in SCORE_OPS
+                    and user.args
+                    and user.args[0] is n
+                    and not (len(user.args) > 1 and g.is_weight(user.args[1]))
+                ):
                     return user
                 if user.op == "call_function" and user.target not in SOFTMAX_OPS:
                     nxt.append(user)

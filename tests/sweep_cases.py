@@ -1,0 +1,300 @@
+"""One case of the transformers sweep: a tiny model type, a KHA config, and the checks.
+
+:func:`run_case` builds the type (:mod:`sweep_configs`), counts its attention calls in one plain
+forward independently of kha_compile (:class:`AttentionCounter`), then runs ``kc.apply`` with
+example inputs kha_compile builds from the config, and checks:
+
+* nothing but a ``KHAError`` is raised;
+* every counted attention call is a site of the report, matched or skipped with a reason
+  (``len(report.sites) == count``);
+* logits bit-identical at init; perturbing every ``.kha.`` parameter moves them;
+* for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter.
+
+Statuses: ``pass``; ``skipped`` (apply raised ``NoAttentionFoundError`` and every counted call is
+a site skipped with its reason: KHA declined, and said why); ``no_attention`` (no attention call
+counted, and apply says so); ``fail`` (with a category); ``not_counted`` (transformers itself cannot
+build or run the tiny model).
+
+Example::
+
+    rec = run_case("llama", "linear_qkv")
+    rec["status"]      # "pass"
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import kha_compile as kc
+from kha_compile.analysis.inputs import example_inputs
+from kha_compile.core.errors import NoAttentionFoundError
+from kha_compile.passes.apply import analyse
+from sweep_configs import build, model_types
+
+__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "run_case", "run_type"]
+
+# the chunk the test suite runs (tests/integrations/test_transformers_sweep.py): one type per
+# family and per form that once failed; scripts/sweep_transformers.py runs every type
+CI_TYPES = (
+    "llama",  # SDPA, GQA, rotary
+    "gpt2",  # fused Conv1D
+    "bert",  # encoder
+    "t5",  # encoder-decoder, cross attention
+    "gpt_neox",  # interleaved fused qkv
+    "deepseek_v3",  # MLA
+    "fsmt",  # `if not padding_mask.any()`: traced per submodule
+    "switch_transformers",  # a router cast inside forward: traced per submodule
+    "ibert",  # projections returning tuples
+    "squeezebert",  # grouped 1x1 Conv1d projections in (B, C, T)
+    "longt5",  # block-local plus global tokens
+    "perceiver",  # a generic main input that takes input_ids
+)
+
+KHA_CONFIGS: dict[str, dict[str, str]] = {
+    "linear_qkv": dict(q="linear", k="linear", v="linear"),
+    "mlp_v": dict(v="mlp"),
+}
+FOLDABLE = {"linear_qkv"}
+PERTURB_SEED, PERTURB_SCALE = 1234, 0.1
+FOLD_ATOL, MOVED_ATOL = 1e-4, 1e-6
+
+_F = torch.nn.functional
+_FUSED = {_F.scaled_dot_product_attention, _F.multi_head_attention_forward}
+try:
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
+    _FUSED.add(_flex)
+except ImportError:  # pragma: no cover - an older torch
+    pass
+_SOFTMAX = {torch.softmax, _F.softmax, torch.Tensor.softmax, torch.special.softmax}
+_PRODUCTS = {
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.bmm,
+    torch.Tensor.bmm,
+    torch.baddbmm,
+    torch.Tensor.baddbmm,
+    torch.einsum,
+}
+_CLEAR = {_F.linear, _F.bilinear, _F.conv1d, _F.conv2d, _F.conv3d, torch.addmm, torch.Tensor.addmm}
+
+
+class AttentionCounter(TorchFunctionMode):
+    """Count the attention calls of one forward, independently of kha_compile.
+
+    An attention call is a fused attention op (``F.scaled_dot_product_attention``,
+    ``F.multi_head_attention_forward``, ``flex_attention``), or a softmax over the last axis of a
+    tensor of rank >= 3 whose values descend, through masks, scaling, soft-capping and views, from a
+    product of two tensors of rank >= 3 where at least one is an activation and neither is a
+    parameter itself (``q @ k^T``; a learned query expanded over the batch counts, ``x @ W`` does
+    not; a Linear or conv on the way clears the mark). A TorchFunctionMode sees every torch call
+    however it is spelled; the inner calls of a fused op are not seen.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.count = 0
+        self.calls: list[str] = []
+        self._keep: list[torch.Tensor] = []  # every tensor seen stays alive, so ids stay unique
+        self._marked: set[int] = set()  # descends from a score product, not yet softmaxed
+        self._static: set[int] = set()  # computed from parameters, buffers and constants only
+        self._params = {id(p) for p in model.parameters()}
+        for t in [*model.parameters(), *model.buffers()]:
+            self._static.add(id(t))
+            self._keep.append(t)
+
+    def _score_product(self, tensors: list[torch.Tensor]) -> bool:
+        big = [t for t in tensors if t.dim() >= 3]
+        return (
+            len(big) >= 2
+            and any(id(t) not in self._static for t in big)
+            and not any(id(t) in self._params for t in tensors)
+        )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat: list[Any] = [*args, *kwargs.values()]
+        for a in list(flat):
+            if isinstance(a, (list, tuple)):
+                flat.extend(a)
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if func in _FUSED:
+            self.count += 1
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return out
+        if func in _SOFTMAX:
+            x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if isinstance(dim, int) and x.dim() >= 3 and dim in (-1, x.dim() - 1) and id(x) in self._marked:
+                self.count += 1
+                self.calls.append(f"softmax{tuple(x.shape)}")
+            return out
+        if func in _PRODUCTS:
+            mark = self._score_product(tensors) or (
+                not any(id(t) in self._params for t in tensors) and any(id(t) in self._marked for t in tensors)
+            )
+        elif func in _CLEAR:
+            mark = False
+        else:
+            mark = any(id(t) in self._marked for t in tensors)
+        static = all(id(t) in self._static for t in tensors)
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(o, torch.Tensor) and not any(o is t for t in tensors):
+                self._keep.append(o)
+                if static:
+                    self._static.add(id(o))
+                if mark and o.is_floating_point():
+                    self._marked.add(id(o))
+        return out
+
+
+def logits(out: Any) -> torch.Tensor:
+    """The main tensor of a transformers output."""
+    for name in ("logits", "prediction_logits", "last_hidden_state"):
+        v = getattr(out, name, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    for v in out if isinstance(out, (list, tuple)) else []:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise TypeError(f"no logits in output of type {type(out).__name__}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:300]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    d = torch.nan_to_num((a.double() - b.double()).abs(), nan=math.inf)
+    return float(d.max()) if d.numel() else 0.0
+
+
+def _kha_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".kha." in f".{n}"}
+
+
+def _fail(rec: dict, category: str, exc: BaseException | None = None) -> dict:
+    rec.update(status="fail", category=category)
+    if exc is not None:
+        rec.update(exc_type=type(exc).__name__, error=_first_line(exc), kha_error=isinstance(exc, kc.KHAError))
+    return rec
+
+
+def run_case(model_type: str, cfg_name: str) -> dict:
+    """Build, count, apply, check one (model type, KHA config) case; never raises."""
+    return run_type(model_type, (cfg_name,))[0]
+
+
+def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
+    """One record per config: the type built and counted once, each config applied to a copy."""
+    t0 = time.perf_counter()
+    base: dict[str, Any] = {"model_type": model_type, "cls": model_types()[model_type][0]}
+    built = _prepare(model_type, base)
+    out = []
+    for i, cfg_name in enumerate(configs):
+        rec = {**base, "config": cfg_name}
+        if built is not None:
+            model = built[0]
+            if i < len(configs) - 1:
+                try:
+                    model = copy.deepcopy(model)
+                except Exception:  # a model that does not deep-copy: build it again
+                    again = _prepare(model_type, {})
+                    model = again[0] if again is not None else model
+            rec.update(_check(model, *built[1:], cfg_name, rec))
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        out.append(rec)
+    return out
+
+
+def _prepare(model_type: str, rec: dict) -> tuple | None:
+    """(model, args, kwargs, reference logits, attention count), or None (``rec`` says why)."""
+    try:
+        model, rec["attn_implementation"] = build(model_type)
+        args, kwargs = example_inputs(model)
+    except Exception as exc:  # transformers cannot build it this way (or kha_compile builds no inputs)
+        rec.update(status="not_counted", stage="build", error=f"{type(exc).__name__}: {_first_line(exc)}")
+        return None
+    counter = AttentionCounter(model)
+    try:
+        with torch.no_grad(), counter:
+            ref = logits(model(*args, **kwargs)).clone()
+    except Exception as exc:
+        rec.update(status="not_counted", stage="forward", error=f"{type(exc).__name__}: {_first_line(exc)}")
+        return None
+    rec["attn_count"] = counter.count
+    return model, args, kwargs, ref, counter.count
+
+
+def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int, cfg_name: str, rec: dict) -> dict:
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            return logits(model(*args, **kwargs)).clone()
+
+    try:
+        kc.apply(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]))
+    except NoAttentionFoundError as exc:
+        try:  # the report apply made (with the config: K = V, say, is skipped for it), nothing changed
+            report, _ = analyse(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), (), None)
+        except Exception as inner:
+            return _fail(rec, "analysis after a refused apply fails", inner)
+        rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
+        if count == 0 and not report.sites:
+            rec.update(status="no_attention")
+        elif len(report.sites) == count and all(s.reason for s in report.sites):
+            rec.update(status="skipped", reason=report.sites[0].reason[:300])
+        else:
+            _fail(rec, "site count mismatch", exc)
+        return rec
+    except Exception as exc:
+        return _fail(rec, "KHAError on apply" if isinstance(exc, kc.KHAError) else "raw exception on apply", exc)
+    try:
+        report = kc.inspect(model)
+        out0 = call()
+    except Exception as exc:
+        return _fail(rec, "inspect or forward after apply fails", exc)
+    rec.update(matched=len(report.matched), skipped=len(report.skipped), trace_path=report.trace_path)
+    rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
+    if len(report.sites) != count:
+        return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {count} calls)")
+    if not torch.equal(out0, ref):
+        rec["identity_max_diff"] = _max_diff(out0, ref)
+        return _fail(rec, "identity broken")
+    params = _kha_params(model)
+    gen = torch.Generator().manual_seed(PERTURB_SEED)
+    with torch.no_grad():
+        for _, p in sorted(params.items()):
+            p.add_(PERTURB_SCALE * torch.randn(p.shape, generator=gen).to(p.dtype))
+    try:
+        out1 = call()
+    except Exception as exc:
+        return _fail(rec, "forward after perturb fails", exc)
+    if not _max_diff(out1, ref) > MOVED_ATOL:
+        return _fail(rec, "perturb has no effect")
+    if cfg_name in FOLDABLE:
+        try:
+            kc.fold(model)
+            out2 = call()
+        except Exception as exc:
+            return _fail(rec, "fold fails", exc)
+        rec["fold_max_diff"] = _max_diff(out2, out1)
+        if not rec["fold_max_diff"] <= FOLD_ATOL or _kha_params(model):
+            return _fail(rec, "fold mismatch")
+    rec["status"] = "pass"
+    return rec
