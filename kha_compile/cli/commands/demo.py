@@ -75,6 +75,19 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=0,
         help="data order of the compared runs; both are repeated on order SEED+1 to measure the noise (default 0)",
     )
+    p.add_argument(
+        "--evals",
+        type=int,
+        default=_DEFAULT.evals,
+        help=f"validation points per run besides step 0, evenly spaced, the last at the last step "
+        f"(default {_DEFAULT.evals})",
+    )
+    p.add_argument(
+        "--val-pairs",
+        type=int,
+        default=_DEFAULT.val_pairs,
+        help=f"held-out pairs each validation embeds (default {_DEFAULT.val_pairs}; fewer is faster and noisier)",
+    )
     p.add_argument("--out", default="./kha_demo_out", help="output directory (default ./kha_demo_out)")
     p.add_argument(
         "--docs",
@@ -102,8 +115,9 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile demo``."""
     if args.steps < 1:
         raise CommandError(f"--steps must be at least 1, got {args.steps}.")
-    if args.threads < 1:
-        raise CommandError(f"--threads must be at least 1, got {args.threads}.")
+    for flag in ("threads", "evals", "val_pairs"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
     for flag in ("lr", "kha_lr"):
         if not getattr(args, flag) > 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
@@ -246,7 +260,9 @@ def _demo(args: argparse.Namespace, ui: UI) -> int:
     ui.steps = ui.out
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = dataclasses.replace(_DEFAULT, steps=args.steps, lr=args.lr, kha_lr=args.kha_lr)
+    spec = dataclasses.replace(
+        _DEFAULT, steps=args.steps, lr=args.lr, kha_lr=args.kha_lr, evals=args.evals, val_pairs=args.val_pairs
+    )
     checks: list[Check] = []
     timings: dict[str, float] = {}
     ui.out.print(
