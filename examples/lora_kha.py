@@ -14,10 +14,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import kha_compile as kc
-from kha_compile.cli import tiny as _tiny
+from kha_compile.cli import tiny
 
-model = _tiny.make("tiny-llama")  # LlamaForCausalLM, 4 query / 2 kv heads of size 16
-ids = torch.randint(0, _tiny.VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))  # (B, L)
+model = tiny.make("tiny-llama")  # LlamaForCausalLM, 4 query / 2 kv heads of size 16
+ids = torch.randint(0, tiny.VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))  # (B, L)
 
 # 1. LoRA on q and v, then KHA on the PEFT model (no example inputs needed: built from the config).
 #    kc.apply(model) first and get_peft_model(...) second works too; then call

@@ -116,6 +116,30 @@ def run_python(script: str, expect: str, timeout: int = 300) -> str:
     return res.stdout
 
 
+# The start of a script run where kha_compile cannot be imported (what a user without it has); it
+# records transformers' log records in ``seen`` as (level name, message).
+WITHOUT_KHA = """
+import logging, sys
+sys.modules["kha_compile"] = None  # kha_compile cannot be imported in this process
+try:
+    import kha_compile
+    raise SystemExit("kha_compile importable")
+except ImportError:
+    pass
+import transformers
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append((record.levelname, record.getMessage()))
+transformers.logging.get_logger().addHandler(Keep())
+"""
+
+
+def run_python_without_kha(script: str, expect: str, timeout: int = 300) -> str:
+    """:func:`run_python` of :data:`WITHOUT_KHA` followed by ``script`` (which reads ``seen``)."""
+    return run_python(WITHOUT_KHA + script, expect, timeout)
+
+
 # Issue 9's FLOP shape: a Llama with hidden 1024, 8 q / 4 kv heads of 128, 2 layers, batch 4 x seq 2048.
 META_LLAMA = dict(
     hidden_size=1024,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 import kha_compile as kc
-from kha_compile.cli import tiny as _tiny
+from kha_compile.cli import tiny
 from kha_compile.viz import kha_matrices, short_labels
 
 
 def test_kha_matrices_and_labels():
-    model = kc.apply(_tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", v="mlp"))
+    model = kc.apply(tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", v="mlp"))
     with torch.no_grad():  # set by hand, so the test sees the live tensors, not the identity init
         model.transformer.h[1].attn.c_attn.kha.q.weight.mul_(3.0)
         model.transformer.h[0].attn.c_attn.kha.v.gate.fill_(0.5)
@@ -36,13 +36,13 @@ def test_plot_without_kha_is_refused(tmp_path):
 
     pytest.importorskip("matplotlib")
     with pytest.raises(NoKHATransformsError, match="carries no KHA transforms"):
-        plot_kha(_tiny.make("tiny-gpt2"), tmp_path / "x.png")
+        plot_kha(tiny.make("tiny-gpt2"), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
 
 
 def _hand_set_model():
     """tiny-gpt2 with linear T^Q, T^V: layer 0 near identity, layer 1 far from it (set by hand)."""
-    model = kc.apply(_tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", v="linear"))
+    model = kc.apply(tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", v="linear"))
     d = 16
     near = torch.eye(d) + 0.01 * torch.ones(d, d)  # diagonal 1.01, off-diagonal 0.01
     far = torch.ones(d, d)  # every entry 1
@@ -79,7 +79,7 @@ def test_diagonal_summary_matches_a_computation_by_hand():
 def test_diagonal_summary_of_mlp_value_uses_up_times_down():
     from kha_compile.viz import diagonal_mass, diagonal_summary, effective_matrices
 
-    model = kc.apply(_tiny.make("tiny-gpt2"), kc.KHAConfig(v="mlp"))
+    model = kc.apply(tiny.make("tiny-gpt2"), kc.KHAConfig(v="mlp"))
     gen = torch.Generator().manual_seed(0)
     up, down = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
     with torch.no_grad():

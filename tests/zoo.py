@@ -23,12 +23,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from kha_compile.analysis.inputs import example_inputs
+from kha_compile.cli import tiny
 
 __all__ = ["HF_NAMES", "TORCH_NAMES", "ZOO_NAMES", "ZooCase", "inputs", "make"]
 
 SEED = 0
-HIDDEN, HEADS, LAYERS, INTER, VOCAB, MAX_POS = 64, 4, 2, 128, 128, 64
-HEAD_DIM = HIDDEN // HEADS  # 16
+HIDDEN, HEADS, LAYERS, INTER, VOCAB, MAX_POS = (
+    tiny.HIDDEN,
+    tiny.HEADS,
+    tiny.LAYERS,
+    tiny.INTER,
+    tiny.VOCAB,
+    tiny.MAX_POS,
+)
+HEAD_DIM = tiny.HEAD_DIM  # 16
 BATCH, SEQ = 2, 8
 
 
@@ -66,29 +74,10 @@ class ZooCase:
 # --------------------------------------------------------------------------------------------
 
 
-def _hf(model_cls: str, config_cls: str, attn: str = "sdpa", **config: Any) -> nn.Module:
-    import transformers
-
-    cfg = getattr(transformers, config_cls)(**config)
-    return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn)
-
-
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    intermediate_size=INTER,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS,
-    max_position_embeddings=MAX_POS,
-)
-
-
-def _llama() -> nn.Module:
-    return _hf("LlamaForCausalLM", "LlamaConfig", **_DECODER, num_key_value_heads=2)
-
-
-def _qwen3() -> nn.Module:  # q_norm / k_norm (per-head RMSNorm) before rope
-    return _hf("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, num_key_value_heads=2, head_dim=HEAD_DIM)
+_hf, _DECODER = tiny.hf_model, tiny.DECODER
+# the CLI's tiny models are the zoo's llama, qwen3 (q_norm / k_norm before rope), gpt2 (fused Conv1D
+# c_attn, [Q|K|V] split) and bert
+_llama, _qwen3, _gpt2, _bert = (tiny.TINY_MODELS[f"tiny-{n}"] for n in ("llama", "qwen3", "gpt2", "bert"))
 
 
 def _mistral() -> nn.Module:  # MQA: one key/value head
@@ -97,36 +86,8 @@ def _mistral() -> nn.Module:  # MQA: one key/value head
     )
 
 
-def _gpt2() -> nn.Module:  # fused c_attn (Conv1D, weight stored (in, out)), [Q|K|V] split
-    return _hf(
-        "GPT2LMHeadModel",
-        "GPT2Config",
-        vocab_size=VOCAB,
-        n_embd=HIDDEN,
-        n_layer=LAYERS,
-        n_head=HEADS,
-        n_inner=INTER,
-        n_positions=MAX_POS,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-    )
-
-
 def _gpt_neox() -> nn.Module:  # fused query_key_value, interleaved per head [H, 3, Dh]; rope on half
     return _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **_DECODER, rotary_pct=0.5)
-
-
-def _bert() -> nn.Module:
-    return _hf(
-        "BertModel",
-        "BertConfig",
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=INTER,
-        max_position_embeddings=MAX_POS,
-    )
 
 
 def _t5() -> nn.Module:  # encoder-decoder: self attention in both, cross attention in the decoder

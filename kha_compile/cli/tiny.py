@@ -21,7 +21,19 @@ from torch import nn
 
 from ..core.errors import MissingDependencyError, ModelLoadError
 
-__all__ = ["DECODER", "HEADS", "HEAD_DIM", "HIDDEN", "LAYERS", "TINY_MODELS", "VOCAB", "make"]
+__all__ = [
+    "DECODER",
+    "HEADS",
+    "HEAD_DIM",
+    "HIDDEN",
+    "INTER",
+    "LAYERS",
+    "MAX_POS",
+    "TINY_MODELS",
+    "VOCAB",
+    "hf_model",
+    "make",
+]
 
 SEED = 0
 HIDDEN, LAYERS, HEADS, INTER, VOCAB, MAX_POS = 64, 2, 4, 128, 128, 64
@@ -38,25 +50,31 @@ DECODER = dict(
 )
 
 
-def _hf(model_cls: str, config_cls: str, **config: Any) -> nn.Module:
+def hf_model(model_cls: str, config_cls: str, attn: str = "sdpa", **config: Any) -> nn.Module:
+    """``transformers.<model_cls>`` built from ``transformers.<config_cls>(**config)``, random weights.
+
+    Example::
+
+        hf_model("LlamaForCausalLM", "LlamaConfig", **DECODER, num_key_value_heads=2)
+    """
     try:
         import transformers
     except ImportError as e:
         raise MissingDependencyError("the tiny models are transformers models: pip install 'kha-compile[hf]'") from e
     cfg = getattr(transformers, config_cls)(**config)
-    return getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa")
+    return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn)
 
 
 def _llama() -> nn.Module:  # GQA: 4 query heads, 2 key/value heads, rope
-    return _hf("LlamaForCausalLM", "LlamaConfig", **DECODER, num_key_value_heads=2)
+    return hf_model("LlamaForCausalLM", "LlamaConfig", **DECODER, num_key_value_heads=2)
 
 
 def _qwen3() -> nn.Module:  # GQA with per-head q/k RMSNorm before rope
-    return _hf("Qwen3ForCausalLM", "Qwen3Config", **DECODER, num_key_value_heads=2, head_dim=HEAD_DIM)
+    return hf_model("Qwen3ForCausalLM", "Qwen3Config", **DECODER, num_key_value_heads=2, head_dim=HEAD_DIM)
 
 
 def _gpt2() -> nn.Module:  # fused c_attn (Conv1D, weight stored (in, out)) split [Q|K|V]
-    return _hf(
+    return hf_model(
         "GPT2LMHeadModel",
         "GPT2Config",
         vocab_size=VOCAB,
@@ -71,7 +89,7 @@ def _gpt2() -> nn.Module:  # fused c_attn (Conv1D, weight stored (in, out)) spli
 
 
 def _bert() -> nn.Module:  # encoder, separate query/key/value, no rope
-    return _hf(
+    return hf_model(
         "BertModel",
         "BertConfig",
         vocab_size=VOCAB,

@@ -57,8 +57,8 @@ from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
 from ..ops.mlp_value import mlp_value_reference
 from ..passes.fold import fold as fold_pass
+from .common import check_destination, root_reason, without_kv_cache
 from .metadata import METADATA_PREFIX, kha_metadata, parse_metadata
-from .onnx import _root_reason, _without_kv_cache, check_destination
 from .onnx_names import BATCH_AXIS, SEQUENCE_AXIS, dynamic_axes_for, output_names_of
 
 __all__ = ["AOTI_KEYS", "AOTI_TOL", "KHA_DECOMPOSITIONS", "export_aoti", "lower_kha_ops", "read_aoti_metadata"]
@@ -181,7 +181,7 @@ def lower_kha_ops(program: torch.export.ExportedProgram) -> torch.export.Exporte
     try:
         program = program.run_decompositions(KHA_DECOMPOSITIONS)  # only these ops: the rest stays as exported
     except Exception as e:
-        raise ExportError(f"AOTI export, step 'lower': decomposing the kha ops failed: {_root_reason(e)}") from e
+        raise ExportError(f"AOTI export, step 'lower': decomposing the kha ops failed: {root_reason(e)}") from e
     left = sorted(kha_ops(program))
     if left:
         raise ExportError(
@@ -259,7 +259,7 @@ def export_aoti(
         raise ExportError(f"export_aoti takes an nn.Module; got {type(model).__name__}.")
     name = type(model).__name__
     args, kwargs = example_inputs(model, example_args, example_kwargs)
-    kwargs = _without_kv_cache(model, args, kwargs)
+    kwargs = without_kv_cache(model, args, kwargs)
     names, tensors, consts = _split_inputs(model, args, kwargs)
     shapes = _dynamic_shapes(names, tensors, max_batch, max_seq) if dynamic else None
     metadata = kha_metadata(model, args, kwargs, folded=fold)
@@ -278,7 +278,7 @@ def export_aoti(
         try:
             program = torch.export.export(_FlatIO(target, names, consts), tuple(tensors), dynamic_shapes=shapes)
         except Exception as e:
-            raise ExportError(f"AOTI export of {name}, step 'export' failed: {_root_reason(e)}") from e
+            raise ExportError(f"AOTI export of {name}, step 'export' failed: {root_reason(e)}") from e
         timings["export"] = time.perf_counter() - start
     start = time.perf_counter()
     program = lower_kha_ops(program)
@@ -304,7 +304,7 @@ def export_aoti(
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     except Exception as e:
-        raise ExportError(f"AOTI export of {name}, step 'compile' failed: {_root_reason(e)}") from e
+        raise ExportError(f"AOTI export of {name}, step 'compile' failed: {root_reason(e)}") from e
     timings["compile"] = time.perf_counter() - start
     if check:
         _check_package(path, tensors, want, name)
@@ -336,7 +336,7 @@ def _check_package(path: pathlib.Path, tensors: list[torch.Tensor], want: tuple[
     try:
         got = torch._inductor.aoti_load_package(str(path))(*tensors)
     except Exception as e:
-        raise ExportError(f"AOTI export of {name}, step 'check': the package does not run: {_root_reason(e)}") from e
+        raise ExportError(f"AOTI export of {name}, step 'check': the package does not run: {root_reason(e)}") from e
     got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
     if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
         raise ExportError(

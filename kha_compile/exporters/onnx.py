@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import logging
 import os
 import pathlib
@@ -39,6 +38,7 @@ from ..ops.mlp_value_onnx import (
     translate_mlp_value,
 )
 from ..passes.fold import fold as fold_pass
+from .common import check_destination, root_reason, without_kv_cache
 from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 
@@ -176,11 +176,6 @@ def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
 
 
 # --------------------------------------------------------------------------------------------
-# The custom node and its function body
-# --------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------
 # export_onnx
 # --------------------------------------------------------------------------------------------
 
@@ -230,7 +225,7 @@ def export_onnx(
         raise ExportError(f"export_onnx takes an nn.Module; got {type(model).__name__}.")
 
     args, kwargs = example_inputs(model, example_args, example_kwargs)
-    kwargs = _without_kv_cache(model, args, kwargs)
+    kwargs = without_kv_cache(model, args, kwargs)
     name = type(model).__name__
     metadata = kha_metadata(model, args, kwargs, folded=fold)
     if fold and any("kha" in n for n, _ in model.named_parameters()):
@@ -280,39 +275,6 @@ def export_onnx(
     return path
 
 
-def _without_kv_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """``kwargs`` plus ``use_cache=False`` where the forward takes it and the call does not set it.
-
-    A transformers KV cache in the outputs is not an ONNX output (and not a pytree type
-    torch.export knows).
-    """
-    if "use_cache" in kwargs:
-        return kwargs
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs, use_cache=False)
-    except (TypeError, ValueError):  # no such parameter, or args already cover it
-        return kwargs
-    if "use_cache" not in inspect.signature(model.forward).parameters:
-        return kwargs  # it would only land in **kwargs
-    log.info("exporting %s with use_cache=False", type(model).__name__)
-    return {**kwargs, "use_cache": False}
-
-
-def check_destination(path: str | os.PathLike, what: str = "the ONNX model") -> pathlib.Path:
-    """``path`` as a Path, after checking that a file can be written there (ExportError if not)."""
-    path = pathlib.Path(path).expanduser()
-    parent = path.parent.resolve()
-    if path.is_dir():
-        raise ExportError(f"cannot write {what} to {str(path)!r}: it is a directory; give a file path inside it.")
-    if not parent.is_dir():
-        raise ExportError(
-            f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} does not exist; create it first."
-        )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"cannot write {what} to {str(path)!r}: its directory {str(parent)!r} is not writable.")
-    return path
-
-
 def _fold_copy(model: nn.Module) -> None:
     """Fold the linear KHA of ``model`` (a copy) in place."""
     fold_pass(model, strict=False)
@@ -353,20 +315,7 @@ def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) ->
         # translation to ONNX failed (step 3); anything else is the exporter's own.
         kind = type(e).__name__
         step = {"TorchExportError": "export", "ConversionError": "translation"}.get(kind, "export")
-        raise ExportError(f"ONNX export of {name}, step '{step}' failed: {_root_reason(e)}") from e
-
-
-def _root_reason(error: BaseException, max_chars: int = 2000) -> str:
-    """The innermost cause of an exporter error, as 'Type: message' (the exporter's reason)."""
-    root = error
-    seen = {id(root)}
-    while root.__cause__ is not None and id(root.__cause__) not in seen:
-        root = root.__cause__
-        seen.add(id(root))
-    text = f"{type(root).__name__}: {root}".strip()
-    if root is not error:
-        text += f" (from {type(error).__name__})"
-    return text if len(text) <= max_chars else text[:max_chars] + " ..."
+        raise ExportError(f"ONNX export of {name}, step '{step}' failed: {root_reason(e)}") from e
 
 
 def _add_mlp_value_function(ir_model: Any) -> None:

@@ -24,7 +24,8 @@ from typing import Any, cast
 import torch
 
 from ..core.errors import EngineError, ExportError
-from .onnx import PLUGIN_ID, TensorInfo, check_destination, onnx_summary
+from .common import check_destination
+from .onnx import PLUGIN_ID, TensorInfo, onnx_summary
 from .tensorrt_aot import mark_aot_nodes
 from .tensorrt_plugin import (
     PLUGIN_DTYPE_NAMES,

@@ -26,7 +26,22 @@ def demo_out(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLUMNS", "200")
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            code = main(["demo", "--steps", "3", "--evals", "1", "--val-pairs", "16", "--no-export", "--out", str(out_dir), "--docs", str(docs)])
+            code = main(
+                [
+                    "demo",
+                    "--steps",
+                    "3",
+                    "--evals",
+                    "1",
+                    "--val-pairs",
+                    "16",
+                    "--no-export",
+                    "--out",
+                    str(out_dir),
+                    "--docs",
+                    str(docs),
+                ]
+            )
     return code, buf.getvalue() + err.getvalue(), out_dir
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import kha_compile as kc
-from kha_compile.cli import tiny as _tiny
+from kha_compile.cli import tiny
 from kha_compile.cli.demo_train import TrainSpec, docstring_pairs, set_trainable
 
 
@@ -24,8 +24,8 @@ def test_eval_steps_cover_start_and_end():
 
 def test_set_trainable_counts_base_and_kha_parameters():
     spec = TrainSpec(base_params=("attn.c_attn.",))
-    plain = _tiny.make("tiny-gpt2")
-    model = kc.apply(_tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", k="linear", v="linear"))
+    plain = tiny.make("tiny-gpt2")
+    model = kc.apply(tiny.make("tiny-gpt2"), kc.KHAConfig(q="linear", k="linear", v="linear"))
     base = set_trainable(plain, spec)
     with_kha = set_trainable(model, spec)
     c_attn = sum(p.numel() for n, p in plain.named_parameters() if "attn.c_attn." in n)
