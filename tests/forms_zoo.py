@@ -97,6 +97,21 @@ def _mha_ref(model: nn.Module, p: str, x: Tensor, ctx: Tensor | None = None) -> 
     return x + lin(sd, f"{p}.o", attend(q, k, v))
 
 
+class TwoBlocks(nn.Module):
+    """Two blocks of ``block`` in a row; extra inputs (positions, a context) go to each block."""
+
+    block: type[nn.Module]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([self.block(), self.block()])
+
+    def forward(self, x: Tensor, *extra: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x, *extra)
+        return x
+
+
 class SelfAttn(nn.Module):
     """Separate q/k/v/o linears and SDPA, with a residual."""
 
@@ -136,15 +151,8 @@ class ZipBlock(nn.Module):
         return x
 
 
-class ZipNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([ZipBlock(), ZipBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class ZipNet(TwoBlocks):
+    block = ZipBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -229,15 +237,8 @@ class SumBlock(nn.Module):
         return x + self.o(from_heads(F.scaled_dot_product_attention(q, k, to_heads(self.v(x)))))
 
 
-class SumNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([SumBlock(), SumBlock()])
-
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x, pos)
-        return x
+class SumNet(TwoBlocks):
+    block = SumBlock
 
     def reference(self, x: Tensor, pos: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -277,15 +278,8 @@ class SelfCrossBlock(nn.Module):
         return x + self.o(from_heads(F.scaled_dot_product_attention(q, k, v)))
 
 
-class SelfCrossNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([SelfCrossBlock(), SelfCrossBlock()])
-
-    def forward(self, x: Tensor, ctx: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x, ctx)
-        return x
+class SelfCrossNet(TwoBlocks):
+    block = SelfCrossBlock
 
     def reference(self, x: Tensor, ctx: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -321,15 +315,8 @@ class TalkingBlock(nn.Module):
         return x + self.o(torch.einsum("bhij,bjhd->bihd", p, v).flatten(2))
 
 
-class TalkingNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([TalkingBlock(), TalkingBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class TalkingNet(TwoBlocks):
+    block = TalkingBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -360,15 +347,8 @@ class ClassAttnBlock(nn.Module):
         return x + self.o(from_heads(F.scaled_dot_product_attention(q, k, v)))  # broadcast over tokens
 
 
-class ClassAttnNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([ClassAttnBlock(), ClassAttnBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class ClassAttnNet(TwoBlocks):
+    block = ClassAttnBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -618,15 +598,8 @@ class ConvBlock(nn.Module):
         return x + self.o(torch.einsum("bts,bcs->bct", w, v).reshape(b, c, t))
 
 
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([ConvBlock(), ConvBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class ConvNet(TwoBlocks):
+    block = ConvBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -663,15 +636,8 @@ class LocalGlobalBlock(SelfAttn):
         return x + self.o(torch.einsum("...hqk,...khd->...qhd", p, v).reshape(b, s, D))
 
 
-class LocalGlobalNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([LocalGlobalBlock(), LocalGlobalBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class LocalGlobalNet(TwoBlocks):
+    block = LocalGlobalBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -763,15 +729,8 @@ class ViTBlock(nn.Module):
         return x + self.proj(from_heads(F.scaled_dot_product_attention(q, k, v)))
 
 
-class ViTNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([ViTBlock(), ViTBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class ViTNet(TwoBlocks):
+    block = ViTBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
@@ -811,15 +770,8 @@ class SplitBlock(SelfAttn):
         return x + self.o(o.reshape(b, s, D))
 
 
-class SplitNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([SplitBlock(), SplitBlock()])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+class SplitNet(TwoBlocks):
+    block = SplitBlock
 
     def reference(self, x: Tensor) -> Tensor:
         sd = self.state_dict()
