@@ -24,4 +24,5 @@ if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "mypy" "$KHA_VENV/bin/mypy" kha_compile
     check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
 fi
-exec "$KHA_VENV/bin/python" -m pytest -n 2 tests "$@"
+# worksteal: a worker that runs out of tests takes some of the other's (the slow ones cluster by file)
+exec "$KHA_VENV/bin/python" -m pytest -n 2 --dist worksteal tests "$@"

@@ -38,7 +38,7 @@ def test_dense_general_bias_is_a_piece_of_the_projection():
     assert "parametrizes blocks.0.attn.value.kernel, blocks.0.attn.value.bias" in site.note
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     gqa_heads(),
     st.sampled_from(["dhk", "hdk", "tensordot", "fused"]),

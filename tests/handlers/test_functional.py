@@ -69,7 +69,7 @@ def test_a_code_path_without_the_traced_projection_call_is_an_error():
         model(x)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     gqa_heads(),
     st.booleans(),

@@ -224,7 +224,7 @@ def flex_cases(draw):
     return n_head, n_kv, hd, mod, v, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(flex_cases())
 def test_flex_random_score_mods_match_a_per_head_reference(case):
     n_head, n_kv, hd, mod_name, v, seed = case
