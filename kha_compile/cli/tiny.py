@@ -40,7 +40,7 @@ HIDDEN, LAYERS, HEADS, INTER, VOCAB, MAX_POS = 64, 2, 4, 128, 128, 64
 HEAD_DIM = HIDDEN // HEADS  # 16
 
 # the config fields every tiny decoder shares (transformers names)
-DECODER = dict(
+DECODER: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=INTER,
