@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
             steps[phase](key)
             first_call_s[key] = time.perf_counter() - t0
         times = interleaved(
-            {k: (lambda k=k: steps[phase](k)) for k in models}, args.steps, warmup=max(args.warmup - 1, 0)
+            {k: (lambda k=k, phase=phase: steps[phase](k)) for k in models}, args.steps, warmup=max(args.warmup - 1, 0)
         )
         med = {k: statistics.median(v["wall"]) for k, v in times.items()}
         low = {k: min(v["wall"]) for k, v in times.items()}
@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
             "wall_ms": {k: [round(1e3 * t, 1) for t in v["wall"]] for k, v in times.items()},
         }
         if args.profile:
-            results["phases"][phase]["kha_op_share"] = kha_op_share(lambda: steps[phase]("kha"))
+            results["phases"][phase]["kha_op_share"] = kha_op_share(lambda phase=phase: steps[phase]("kha"))
     stats = kc.backend.last_stats()
     results["kha_backend"] = {
         "rewrites": stats.rewrites,

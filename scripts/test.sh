@@ -19,8 +19,8 @@ check() {  # check NAME COMMAND...: run COMMAND; on failure say which check fail
 }
 
 if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
-    check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests
-    check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests
+    check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests benchmarks examples scripts
+    check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests benchmarks examples scripts
     check "mypy" "$KHA_VENV/bin/mypy" kha_compile
     check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
 fi
