@@ -111,6 +111,17 @@ class TwoBlocks(nn.Module):
             x = b(x, *extra)
         return x
 
+    def reference(self, x: Tensor, *extra: Tensor) -> Tensor:
+        """The per-head reference computed from the state dict, block by block."""
+        sd = self.state_dict()
+        for i in range(len(self.blocks)):
+            x = self.block_reference(sd, f"blocks.{i}", x, *extra)
+        return x
+
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor, *extra: Tensor) -> Tensor:
+        """The reference of the block named ``p`` (``blocks.0``, ...)."""
+        raise NotImplementedError
+
 
 class SelfAttn(nn.Module):
     """Separate q/k/v/o linears and SDPA, with a residual."""
@@ -154,13 +165,10 @@ class ZipBlock(nn.Module):
 class ZipNet(TwoBlocks):
     block = ZipBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            x = x + torch.relu(lin(sd, f"{p}.resnets.0.lin", x))
-            x = _mha_ref(self, f"{p}.attentions.0", x)
-            x = x + torch.relu(lin(sd, f"{p}.resnets.1.lin", x))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        x = x + torch.relu(lin(sd, f"{p}.resnets.0.lin", x))
+        x = _mha_ref(self, f"{p}.attentions.0", x)
+        x = x + torch.relu(lin(sd, f"{p}.resnets.1.lin", x))
         return x
 
 
@@ -240,15 +248,12 @@ class SumBlock(nn.Module):
 class SumNet(TwoBlocks):
     block = SumBlock
 
-    def reference(self, x: Tensor, pos: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            tq, tk = kha_of(self, "q", f"{p}.qa", f"{p}.qb"), kha_of(self, "k", f"{p}.ka", f"{p}.kb")
-            q = each(tq, split_heads(lin(sd, f"{p}.qa", x) + lin(sd, f"{p}.qb", pos)))
-            k = each(tk, split_heads(lin(sd, f"{p}.ka", x) + lin(sd, f"{p}.kb", pos)))
-            v = each(kha_of(self, "v", f"{p}.v"), split_heads(lin(sd, f"{p}.v", x)))
-            x = x + lin(sd, f"{p}.o", attend(q, k, v))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor, pos: Tensor) -> Tensor:
+        tq, tk = kha_of(self, "q", f"{p}.qa", f"{p}.qb"), kha_of(self, "k", f"{p}.ka", f"{p}.kb")
+        q = each(tq, split_heads(lin(sd, f"{p}.qa", x) + lin(sd, f"{p}.qb", pos)))
+        k = each(tk, split_heads(lin(sd, f"{p}.ka", x) + lin(sd, f"{p}.kb", pos)))
+        v = each(kha_of(self, "v", f"{p}.v"), split_heads(lin(sd, f"{p}.v", x)))
+        x = x + lin(sd, f"{p}.o", attend(q, k, v))
         return x
 
 
@@ -281,17 +286,14 @@ class SelfCrossBlock(nn.Module):
 class SelfCrossNet(TwoBlocks):
     block = SelfCrossBlock
 
-    def reference(self, x: Tensor, ctx: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", x)))
-            kv = {}
-            for r in "kv":
-                t = kha_of(self, r, f"{p}.{r}", f"{p}.{r}_ctx")
-                own, other = split_heads(lin(sd, f"{p}.{r}", x)), split_heads(lin(sd, f"{p}.{r}_ctx", ctx))
-                kv[r] = [torch.cat([t(a), t(c)], dim=-2) for a, c in zip(own, other)]
-            x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor, ctx: Tensor) -> Tensor:
+        q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", x)))
+        kv = {}
+        for r in "kv":
+            t = kha_of(self, r, f"{p}.{r}", f"{p}.{r}_ctx")
+            own, other = split_heads(lin(sd, f"{p}.{r}", x)), split_heads(lin(sd, f"{p}.{r}_ctx", ctx))
+            kv[r] = [torch.cat([t(a), t(c)], dim=-2) for a, c in zip(own, other)]
+        x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]))
         return x
 
 
@@ -318,18 +320,15 @@ class TalkingBlock(nn.Module):
 class TalkingNet(TwoBlocks):
     block = TalkingBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            t = lin(sd, f"{p}.qkv", x).unflatten(-1, (3, H, DH))
-            q, k, v = ([kha_of(self, r, f"{p}.qkv")(t[..., j, h, :]) for h in range(H)] for j, r in enumerate("qkv"))
-            pre, post = sd[f"{p}.pre"], sd[f"{p}.post"]
-            scores = [q[h] @ k[h].transpose(-1, -2) / math.sqrt(DH) for h in range(H)]
-            mixed = [sum(pre[h, g] * scores[h] for h in range(H)) for g in range(H)]
-            probs = [torch.softmax(m, dim=-1) for m in mixed]
-            mixed_p = [sum(post[h, g] * probs[h] for h in range(H)) for g in range(H)]
-            x = x + lin(sd, f"{p}.o", torch.cat([mixed_p[g] @ v[g] for g in range(H)], dim=-1))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        t = lin(sd, f"{p}.qkv", x).unflatten(-1, (3, H, DH))
+        q, k, v = ([kha_of(self, r, f"{p}.qkv")(t[..., j, h, :]) for h in range(H)] for j, r in enumerate("qkv"))
+        pre, post = sd[f"{p}.pre"], sd[f"{p}.post"]
+        scores = [q[h] @ k[h].transpose(-1, -2) / math.sqrt(DH) for h in range(H)]
+        mixed = [sum(pre[h, g] * scores[h] for h in range(H)) for g in range(H)]
+        probs = [torch.softmax(m, dim=-1) for m in mixed]
+        mixed_p = [sum(post[h, g] * probs[h] for h in range(H)) for g in range(H)]
+        x = x + lin(sd, f"{p}.o", torch.cat([mixed_p[g] @ v[g] for g in range(H)], dim=-1))
         return x
 
 
@@ -350,16 +349,13 @@ class ClassAttnBlock(nn.Module):
 class ClassAttnNet(TwoBlocks):
     block = ClassAttnBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            c = sd[f"{p}.cls"].expand(x.shape[0], -1, -1)
-            q, k, v = (
-                each(kha_of(self, r, f"{p}.{r}"), split_heads(lin(sd, f"{p}.{r}", inp)))
-                for r, inp in (("q", c), ("k", x), ("v", x))
-            )
-            x = x + lin(sd, f"{p}.o", attend(q, k, v))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        c = sd[f"{p}.cls"].expand(x.shape[0], -1, -1)
+        q, k, v = (
+            each(kha_of(self, r, f"{p}.{r}"), split_heads(lin(sd, f"{p}.{r}", inp)))
+            for r, inp in (("q", c), ("k", x), ("v", x))
+        )
+        x = x + lin(sd, f"{p}.o", attend(q, k, v))
         return x
 
 
@@ -601,16 +597,13 @@ class ConvBlock(nn.Module):
 class ConvNet(TwoBlocks):
     block = ConvBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            xt = x.transpose(1, 2)  # (B, T, C)
-            w, bias = sd[f"{p}.qkv.weight"][..., 0], sd[f"{p}.qkv.bias"]  # (3D, D): per head [q | k | v]
-            y = F.linear(xt, w, bias).unflatten(-1, (H, 3, DH))  # channel = h * 3Dh + role * Dh + j
-            q, k, v = ([kha_of(self, r, f"{p}.qkv")(y[..., h, j, :]) for h in range(H)] for j, r in enumerate("qkv"))
-            o = attend(q, k, v)  # (B, T, D)
-            x = x + F.linear(o, sd[f"{p}.o.weight"][..., 0], sd[f"{p}.o.bias"]).transpose(1, 2)
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        xt = x.transpose(1, 2)  # (B, T, C)
+        w, bias = sd[f"{p}.qkv.weight"][..., 0], sd[f"{p}.qkv.bias"]  # (3D, D): per head [q | k | v]
+        y = F.linear(xt, w, bias).unflatten(-1, (H, 3, DH))  # channel = h * 3Dh + role * Dh + j
+        q, k, v = ([kha_of(self, r, f"{p}.qkv")(y[..., h, j, :]) for h in range(H)] for j, r in enumerate("qkv"))
+        o = attend(q, k, v)  # (B, T, D)
+        x = x + F.linear(o, sd[f"{p}.o.weight"][..., 0], sd[f"{p}.o.bias"]).transpose(1, 2)
         return x
 
 
@@ -639,21 +632,18 @@ class LocalGlobalBlock(SelfAttn):
 class LocalGlobalNet(TwoBlocks):
     block = LocalGlobalBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
         b, s, _ = x.shape
         nb = s // BLOCK
-        for i in range(2):
-            p = f"blocks.{i}"
-            side = x.view(b, nb, BLOCK, D).mean(2)
-            blocks = x.view(b, nb, BLOCK, D)
-            q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", blocks)))  # (B, nb, BLOCK, Dh)
-            kv = {}
-            for r in "kv":
-                t = kha_of(self, r, f"{p}.{r}")
-                loc, glob = split_heads(lin(sd, f"{p}.{r}", blocks)), split_heads(lin(sd, f"{p}.{r}", side))
-                kv[r] = [torch.cat([t(a), t(g)[:, None].expand(b, nb, nb, DH)], dim=2) for a, g in zip(loc, glob)]
-            x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
+        side = x.view(b, nb, BLOCK, D).mean(2)
+        blocks = x.view(b, nb, BLOCK, D)
+        q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", blocks)))  # (B, nb, BLOCK, Dh)
+        kv = {}
+        for r in "kv":
+            t = kha_of(self, r, f"{p}.{r}")
+            loc, glob = split_heads(lin(sd, f"{p}.{r}", blocks)), split_heads(lin(sd, f"{p}.{r}", side))
+            kv[r] = [torch.cat([t(a), t(g)[:, None].expand(b, nb, nb, DH)], dim=2) for a, g in zip(loc, glob)]
+        x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
         return x
 
 
@@ -732,15 +722,12 @@ class ViTBlock(nn.Module):
 class ViTNet(TwoBlocks):
     block = ViTBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
-        for i in range(2):
-            p = f"blocks.{i}"
-            bias = torch.cat([sd[f"{p}.q_bias"], torch.zeros(D), sd[f"{p}.v_bias"]])
-            y = F.linear(x, sd[f"{p}.qkv.weight"], bias).unflatten(-1, (3, H, DH))
-            q, k, v = ([kha_of(self, r, p)(y[..., j, h, :]) for h in range(H)] for j, r in enumerate("qkv"))
-            q, k = ([torch.cat([h[:, :1], rope(h[:, 1:])], dim=1) for h in t] for t in (q, k))
-            x = x + lin(sd, f"{p}.proj", attend(q, k, v))
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        bias = torch.cat([sd[f"{p}.q_bias"], torch.zeros(D), sd[f"{p}.v_bias"]])
+        y = F.linear(x, sd[f"{p}.qkv.weight"], bias).unflatten(-1, (3, H, DH))
+        q, k, v = ([kha_of(self, r, p)(y[..., j, h, :]) for h in range(H)] for j, r in enumerate("qkv"))
+        q, k = ([torch.cat([h[:, :1], rope(h[:, 1:])], dim=1) for h in t] for t in (q, k))
+        x = x + lin(sd, f"{p}.proj", attend(q, k, v))
         return x
 
 
@@ -773,20 +760,17 @@ class SplitBlock(SelfAttn):
 class SplitNet(TwoBlocks):
     block = SplitBlock
 
-    def reference(self, x: Tensor) -> Tensor:
-        sd = self.state_dict()
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
         b, s, _ = x.shape
         nb = s // BLOCK
-        for i in range(2):
-            p = f"blocks.{i}"
-            blocks, side = x.view(b, nb, BLOCK, D), x.view(b, nb, BLOCK, D).mean(2)
-            q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", blocks)))  # (B, nb, BLOCK, Dh)
-            kv = {}
-            for r in "kv":
-                t = kha_of(self, r, f"{p}.{r}", f"{p}.{r}_glob")
-                loc, glob = split_heads(lin(sd, f"{p}.{r}", blocks)), split_heads(lin(sd, f"{p}.{r}_glob", side))
-                kv[r] = [torch.cat([t(g)[:, None].expand(b, nb, nb, DH), t(a)], dim=2) for a, g in zip(loc, glob)]
-            x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
+        blocks, side = x.view(b, nb, BLOCK, D), x.view(b, nb, BLOCK, D).mean(2)
+        q = each(kha_of(self, "q", f"{p}.q"), split_heads(lin(sd, f"{p}.q", blocks)))  # (B, nb, BLOCK, Dh)
+        kv = {}
+        for r in "kv":
+            t = kha_of(self, r, f"{p}.{r}", f"{p}.{r}_glob")
+            loc, glob = split_heads(lin(sd, f"{p}.{r}", blocks)), split_heads(lin(sd, f"{p}.{r}_glob", side))
+            kv[r] = [torch.cat([t(g)[:, None].expand(b, nb, nb, DH), t(a)], dim=2) for a, g in zip(loc, glob)]
+        x = x + lin(sd, f"{p}.o", attend(q, kv["k"], kv["v"]).reshape(b, s, D))
         return x
 
 
