@@ -31,6 +31,26 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     return {k: statistics.median(v) for k, v in interleaved_times(fns, repeats, warmup).items()}
 
 
+def deploy_ratios(times: dict[str, float]) -> dict[str, float]:
+    """Median times of the ``baseline``, ``folded-linear`` and ``mlp-value`` deployments as the record
+    the deployment benchmarks write: baseline ms and both ratios to it."""
+    base = times["baseline"]
+    return {
+        "baseline_ms": base * 1e3,
+        "folded_ratio": times["folded-linear"] / base,
+        "mlp_ratio": times["mlp-value"] / base,
+    }
+
+
+def deploy_line(head: str, rec: dict[str, float]) -> str:
+    """One printed row of :func:`deploy_ratios`, with the goals (folded 1.00, MLP-value <= 1.05)."""
+    ok = "OK" if rec["mlp_ratio"] <= 1.05 else "MISSED"
+    return (
+        f"  {head}: baseline {rec['baseline_ms']:7.2f} ms | folded/baseline {rec['folded_ratio']:5.3f} (goal 1.00) "
+        f"| mlp-value/baseline {rec['mlp_ratio']:5.3f} (goal <= 1.05) {ok}"
+    )
+
+
 def add_threads_arg(ap) -> None:
     ap.add_argument(
         "--threads",

@@ -17,7 +17,7 @@ import pathlib
 import tempfile
 
 import torch
-from _common import add_threads_arg, apply_threads, interleaved_medians, write_json
+from _common import add_threads_arg, apply_threads, deploy_line, deploy_ratios, interleaved_medians, write_json
 
 import kha_compile as kc
 
@@ -106,17 +106,8 @@ def main(argv=None) -> dict:
                 t = interleaved_medians(
                     {v: (lambda s=s, f=feeds[v]: s.run(None, f)) for v, s in sessions.items()}, args.repeats
                 )
-                r_fold, r_mlp = t["folded-linear"] / t["baseline"], t["mlp-value"] / t["baseline"]
-                print(
-                    f"  batch {batch}, seq {args.seq}: baseline {t['baseline'] * 1e3:7.2f} ms | folded/baseline "
-                    f"{r_fold:5.3f} (goal 1.00) | mlp-value/baseline {r_mlp:5.3f} (goal <= 1.05) "
-                    f"{'OK' if r_mlp <= 1.05 else 'MISSED'}"
-                )
-                record[f"{mname}/b{batch}"] = {
-                    "baseline_ms": t["baseline"] * 1e3,
-                    "folded_ratio": r_fold,
-                    "mlp_ratio": r_mlp,
-                }
+                record[f"{mname}/b{batch}"] = rec = deploy_ratios(t)
+                print(deploy_line(f"batch {batch}, seq {args.seq}", rec))
             record[f"{mname}/sizes"] = sizes
     write_json(args.json, record)
     return record

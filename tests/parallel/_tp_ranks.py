@@ -166,6 +166,21 @@ def plain_parallelize(model, mesh):
     return parallelize_module(model, mesh, llama_plan(model))  # torch's own call, after kc.apply
 
 
+def refused_unchanged(model, calls, *needles):
+    """Each of ``calls`` raises ShardedModelError with every one of ``needles`` in its message, and
+    the model's state (gathered from every shard) and keys are unchanged."""
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    for call in calls:
+        try:
+            call()
+        except kc.errors.ShardedModelError as e:
+            assert all(n in str(e) for n in needles), e
+        else:
+            raise AssertionError(f"a sharded model was not refused ({needles[0]!r})")
+    after = {k: full(v) for k, v in model.state_dict().items()}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def check_transformers_tp_refused(out_dir):
     """from_pretrained(tp_plan="auto") shards with transformers' forwards: apply / load_pretrained refuse, untouched."""
     from transformers import AutoModelForCausalLM
@@ -175,17 +190,9 @@ def check_transformers_tp_refused(out_dir):
         tiny.make("tiny-llama").save_pretrained(hf_dir)
     dist.barrier()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, tp_plan="auto")
-    before = {k: full(v).clone() for k, v in model.state_dict().items()}
-    for call in (lambda: kc.apply(model, MLP), lambda: kc.load_pretrained(model, out_dir)):
-        try:
-            call()
-        except kc.errors.ShardedModelError as e:
-            assert "sharded by transformers" in str(e) and "kc.parallelize(model, mesh, 'auto')" in str(e), e
-        else:
-            raise AssertionError("a model sharded by transformers was not refused")
-    after = {k: full(v) for k, v in model.state_dict().items()}
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not any(".kha." in k for k in after)
+    calls = (lambda: kc.apply(model, MLP), lambda: kc.load_pretrained(model, out_dir))
+    refused_unchanged(model, calls, "sharded by transformers", "kc.parallelize(model, mesh, 'auto')")
+    assert not any(".kha." in k for k in model.state_dict())
     print("OK tp transformers tp_plan refused")
 
 
@@ -227,16 +234,8 @@ def main_tp():
     same_on_every_rank("neox", got[2])
     print(f"OK tp fused-qkv max|grad| {moved:.3g}")
     # the sharded model refuses apply / inspect / fold, unchanged
-    before = {k: full(v).clone() for k, v in model.state_dict().items()}
-    for call in (lambda: kc.apply(model, MLP), lambda: kc.inspect(model), lambda: kc.fold(model, strict=False)):
-        try:
-            call()
-        except kc.errors.ShardedModelError as e:
-            assert "already sharded" in str(e) and "DTensor" in str(e), e
-        else:
-            raise AssertionError("a sharded model was not refused")
-    after = {k: full(v) for k, v in model.state_dict().items()}
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    calls = (lambda: kc.apply(model, MLP), lambda: kc.inspect(model), lambda: kc.fold(model, strict=False))
+    refused_unchanged(model, calls, "already sharded", "DTensor")
     print("OK tp refusals")
     # save_pretrained from every rank: rank 0 writes the full KHA weights
     out_dir = sys.argv[2]
