@@ -2,7 +2,9 @@
 
 - :func:`check_destination`: the output path can be written (an ``ExportError`` naming the fix);
 - :func:`without_kv_cache`: ``use_cache=False`` for forwards that take it (a KV cache is no output);
-- :func:`root_reason`: the innermost cause of a toolchain error, for the ``ExportError`` message.
+- :func:`root_reason`: the innermost cause of a toolchain error, for the ``ExportError`` message;
+- :func:`low_precision_dtypes`: the 16-bit float dtypes of a model's weights (a bf16 model exports
+  as bf16; the exporters say what that means for the runtime).
 
 Example::
 
@@ -17,11 +19,12 @@ import logging
 import os
 import pathlib
 
+import torch
 from torch import nn
 
 from ..core.errors import ExportError
 
-__all__ = ["check_destination", "root_reason", "without_kv_cache"]
+__all__ = ["check_destination", "low_precision_dtypes", "root_reason", "without_kv_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +73,15 @@ def root_reason(error: BaseException, max_chars: int = 2000) -> str:
     if root is not error:
         text += f" (from {type(error).__name__})"
     return text if len(text) <= max_chars else text[:max_chars] + " ..."
+
+
+def low_precision_dtypes(model: nn.Module) -> list[torch.dtype]:
+    """The 16-bit floating dtypes among ``model``'s parameters and buffers (empty for an fp32 model).
+
+    Example::
+
+        low_precision_dtypes(model.to(torch.bfloat16))      # [torch.bfloat16]
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    found = {t.dtype for t in tensors if t.is_floating_point() and torch.finfo(t.dtype).bits <= 16}
+    return sorted(found, key=str)

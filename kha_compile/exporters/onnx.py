@@ -38,7 +38,7 @@ from ..ops.mlp_value_onnx import (
     translate_mlp_value,
 )
 from ..passes.fold import fold as fold_pass
-from .common import check_destination, root_reason, without_kv_cache
+from .common import check_destination, low_precision_dtypes, root_reason, without_kv_cache
 from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 
@@ -227,6 +227,16 @@ def export_onnx(
     args, kwargs = example_inputs(model, example_args, example_kwargs)
     kwargs = without_kv_cache(model, args, kwargs)
     name = type(model).__name__
+    low = "/".join(map(str, low_precision_dtypes(model)))
+    if low:
+        log.warning(
+            "%s has %s weights: the ONNX file computes in %s, for GPU runtimes (onnxruntime's CUDA provider, "
+            "TensorRT). onnxruntime's CPU provider has no such kernels for most ops; for CPU inference export "
+            "an fp32 copy: kc.export_onnx(copy.deepcopy(model).float(), path).",
+            name,
+            low,
+            low,
+        )
     metadata = kha_metadata(model, args, kwargs, folded=fold)
     if fold and any("kha" in n for n, _ in model.named_parameters()):
         model = copy.deepcopy(model)  # nothing to fold without KHA: no copy then

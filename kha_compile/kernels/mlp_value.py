@@ -385,7 +385,8 @@ def mlp_value_triton_backward(
                 block_n,
             )
     dw = ws.sum(0).to(v.dtype)  # (3, d, d): the reduction over row groups
-    return grad_v, dw[0], dw[1], dw[2]
+    # three tensors of their own: a custom op's outputs may not alias each other (torch checks it on CUDA)
+    return grad_v, dw[0].clone(), dw[1].clone(), dw[2].clone()
 
 
 def _on_device(device: torch.device):

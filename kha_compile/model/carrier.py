@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.errors import FoldError, TracedPathError
@@ -26,7 +27,7 @@ from ..core.optional import is_dtensor
 from .rows import base_class, fold_rows, projection_output, weight_out_axis
 from .sharded import adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
-from .strategy import check_strategy, swapped_params, use_weight_side
+from .strategy import as_parameters, check_strategy, swapped_params, use_weight_side
 from .transforms import get_transform, kind_of
 
 __all__ = [
@@ -114,8 +115,12 @@ class KHAProjection(nn.Module):
         folded = self._kha_weight_side_roles(args, kwargs)
         if not folded:  # token-side: transform the projection output
             return self._kha_output(super().forward(*args, **kwargs), ())
-        with swapped_params(self, self.kha_fold(folded, detach=False)):
-            y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
+        params = self.kha_fold(folded, detach=False)
+        if self._kha_base_class is nn.Linear and len(args) == 1 and not kwargs:
+            y = F.linear(args[0], *as_parameters(self, params))  # nn.Linear's forward, on W' and b'
+        else:
+            with swapped_params(self, params):
+                y = super().forward(*args, **kwargs)  # weight-side: the base forward with W' = T^T W per head slot
         return self._kha_output(y, folded)
 
     def _kha_output(self, y: Any, skip: Sequence[str]) -> Any:
@@ -148,12 +153,10 @@ class KHAProjection(nn.Module):
 
     def _kha_weight_side_roles(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
         """The foldable roles this call runs weight-side (empty: all token-side), per ``kha_strategy``."""
-        roles = tuple(r for r in self.kha if kind_of(self.kha[r]).foldable)
         w = self._parameters.get("weight")
         x = args[0] if args else next(iter(kwargs.values()), None)
         if (
-            not roles
-            or self._kha_weight_axis is None
+            self._kha_weight_axis is None
             or not isinstance(w, Tensor)
             or w.dim() != 2
             or not isinstance(x, Tensor)
@@ -161,7 +164,22 @@ class KHAProjection(nn.Module):
         ):
             return ()
         tokens = x.numel() // max(x.shape[-1], 1)
-        return roles if use_weight_side(self.kha_strategy, self._kha_sources(roles), tokens, x.shape[-1]) else ()
+        strategy = self.kha_strategy
+        if strategy == "auto" and tokens <= x.shape[-1]:  # token-side whatever the sources (strategy.py)
+            return ()
+        roles = self._kha_foldable_roles()
+        if not roles:
+            return ()
+        return roles if use_weight_side(strategy, self._kha_sources(roles), tokens, x.shape[-1]) else ()
+
+    def _kha_foldable_roles(self) -> tuple[str, ...]:
+        """The roles whose transform is of a foldable kind (remembered per set of transform modules)."""
+        mods = tuple(self.kha._modules.items())
+        cached = self.__dict__.get("_kha_cached_foldable")
+        if cached is None or len(cached[0]) != len(mods) or any(a[1] is not b[1] for a, b in zip(cached[0], mods)):
+            roles = tuple(r for r, m in mods if m is not None and kind_of(m).foldable)
+            cached = self.__dict__["_kha_cached_foldable"] = (mods, roles)
+        return cached[1]
 
     def kha_fold(self, roles: Sequence[str], *, detach: bool = True) -> list[tuple[str, Tensor]]:
         """(name, tensor) of weight and bias with the linear transforms of ``roles`` folded in.
@@ -312,13 +330,21 @@ def attach(
     d["_kha_out_features"] = out_features
     d["_kha_weight_axis"] = weight_axis
     d.pop("_kha_cached_layout", None)
+    d.pop("_kha_cached_foldable", None)
     set_handler(module, handler)
     if strategy != "auto":
         set_strategy(module, strategy)
     return module
 
 
-_STATE = ("_kha_slots", "_kha_out_features", "_kha_cached_layout", "kha_strategy", "_kha_weight_axis")
+_STATE = (
+    "_kha_slots",
+    "_kha_out_features",
+    "_kha_cached_layout",
+    "_kha_cached_foldable",
+    "kha_strategy",
+    "_kha_weight_axis",
+)
 
 
 def detach(module: nn.Module) -> nn.Module:

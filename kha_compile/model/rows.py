@@ -29,25 +29,39 @@ def fold_rows(
 
         w2, b2 = fold_rows(lin.weight, lin.bias, HeadSlot("v", 0, 4, 16, 16), T, axis=0)
     """
-    idx = slot.index().flatten().to(weight.device)  # (H*Dh,)
     keep = (lambda x: x.detach()) if detach else (lambda x: x)
-    t32 = keep(t).to(torch.float32)
-    w = keep(weight).to(torch.float32)
-    whole = slot.offset == 0 and slot.head_stride == slot.head_dim and slot.span == w.shape[axis]
-    w_role = w if whole else w.index_select(axis, idx)  # a separate projection: every row is a head row
-    if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
-        w_new = torch.einsum("jk,hji->hki", t32, w_role.reshape(slot.num_heads, slot.head_dim, -1))
-        w_new = w_new.reshape(-1, w.shape[1])
-        w = w_new.contiguous() if whole else w.index_copy(0, idx, w_new)
-    else:  # (in, H*Dh) -> (in, H, Dh) @ T
-        w_new = (w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32).reshape(w.shape[0], -1)
-        w = w_new.contiguous() if whole else w.index_copy(1, idx, w_new)
+    t32 = _float32(keep(t))
+    w = _float32(keep(weight))
+    H, Dh = slot.num_heads, slot.head_dim
+    if slot.offset == 0 and slot.head_stride == Dh and H * Dh == w.shape[axis]:  # every row/column is a head's
+        if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
+            w = torch.bmm(t32.t().expand(H, Dh, Dh), w.reshape(H, Dh, -1)).reshape(w.shape)
+        else:  # (in, H*Dh) -> (in, H, Dh) @ T
+            w = (w.reshape(w.shape[0], H, Dh) @ t32).reshape(w.shape)
+        idx = None
+    else:
+        idx = slot.index().flatten().to(weight.device)  # (H*Dh,)
+        if axis == 0:
+            w_new = torch.bmm(t32.t().expand(H, Dh, Dh), w.index_select(0, idx).reshape(H, Dh, -1))
+            w_new = w_new.reshape(H * Dh, w.shape[1])
+            w = w.index_copy(0, idx, w_new)
+        else:
+            w_new = (w.index_select(1, idx).reshape(w.shape[0], H, Dh) @ t32).reshape(w.shape[0], H * Dh)
+            w = w.index_copy(1, idx, w_new)
     b = None
     if bias is not None:
-        b32 = keep(bias).to(torch.float32)
-        b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim) @ t32
-        b = b32.index_copy(0, idx, b_new.reshape(-1)).to(bias.dtype)
-    return w.to(weight.dtype), b
+        b32 = _float32(keep(bias))
+        if idx is None:
+            b = (b32.reshape(H, Dh) @ t32).reshape(-1)
+        else:
+            b_new = b32.index_select(0, idx).reshape(H, Dh) @ t32
+            b = b32.index_copy(0, idx, b_new.reshape(-1))
+        b = b if b.dtype == bias.dtype else b.to(bias.dtype)
+    return (w if w.dtype == weight.dtype else w.to(weight.dtype)), b
+
+
+def _float32(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
 def projection_output(y: object, out_features: int | None) -> int | None:

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from ..core.errors import KHAConfigError
 from ..core.optional import is_dtensor
 
-__all__ = ["STRATEGIES", "check_strategy", "needs_grad", "swapped_params", "use_weight_side"]
+__all__ = ["STRATEGIES", "as_parameters", "check_strategy", "needs_grad", "swapped_params", "use_weight_side"]
 
 STRATEGIES = ("auto", "weight", "token")
 
@@ -87,19 +87,32 @@ def use_weight_side(strategy: str, sources: Sequence[Tensor], tokens: int, in_fe
     return tokens > in_features
 
 
+def as_parameters(module: nn.Module, params: Params) -> list[Tensor]:
+    """The tensors of ``params`` (name, tensor), each flagged ``requires_grad`` like the parameter it
+    stands for when no gradient is recorded.
+
+    ATen picks some kernels by that flag (the matmul of a non-contiguous 3-D input), so a folded
+    tensor that does not require grad where the parameter does would run another kernel than the
+    model without KHA, and identity at init would not be exact under ``no_grad``.
+    """
+    if torch.is_grad_enabled():
+        return [t for _, t in params]
+    out = []
+    for name, t in params:
+        p = module._parameters.get(name)
+        if p is not None and p.requires_grad and not t.requires_grad:
+            t = t.detach().requires_grad_(True)
+        out.append(t)
+    return out
+
+
 @contextlib.contextmanager
 def swapped_params(module: nn.Module, params: Params) -> Iterator[None]:
     """Let ``module``'s own forward see ``params`` (name, tensor) in place of its parameters, for one call."""
     old = {name: module._parameters[name] for name, _ in params}
     module.__dict__["_kha_swapped"] = True
-    grad = torch.is_grad_enabled()
     try:
-        for name, t in params:
-            p = old[name]
-            if not grad and p is not None and p.requires_grad and not t.requires_grad:
-                # ATen picks some kernels by requires_grad (matmul of a non-contiguous 3-D input):
-                # flag the folded tensor as the parameter is, so the call runs what it would without KHA
-                t = t.detach().requires_grad_(True)
+        for (name, _), t in zip(params, as_parameters(module, params)):
             module._parameters[name] = t  # type: ignore[assignment]  # a plain tensor for this call only
         yield
     finally:

@@ -1,6 +1,9 @@
 """``kha::mlp_value``: V~ = 2 * ((V W_up) * sigmoid(V W_gate)) W_down over the last axis of V.
 
 One op for eager, torch.compile, torch.export and ONNX: graphs keep it as a single node.
+Under ``torch.autocast`` it follows autocast the way ``matmul`` does: its floating inputs are cast to the
+autocast dtype (bf16 or fp16) and it runs in that dtype (gradients of fp32 master weights come back in
+fp32 through the casts). Outside autocast, mixed dtypes are refused, never silently cast.
 On CUDA tensors it runs the fused Triton kernels of :mod:`kha_compile.kernels.mlp_value` (forward,
 and backward through ``kha::mlp_value_backward``) when triton is installed and the shape is one they
 take (d <= 128; fp32, bf16, fp16); otherwise, and on every other device, the composite formula.
@@ -23,8 +26,10 @@ from ..kernels import mlp_value as kernels
 from ..kernels.mlp_value import is_triton_build_error
 
 __all__ = [
+    "autocast_device_types",
     "check_mlp_value_inputs",
     "mlp_value",
+    "mlp_value_auto",
     "mlp_value_backward",
     "mlp_value_backward_reference",
     "mlp_value_reference",
@@ -45,7 +50,11 @@ def check_mlp_value_inputs(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tens
                 f"each weight must be ({d}, {d}) to match v's last dimension."
             )
         if w.dtype != v.dtype:
-            raise OpInputError(f"kha::mlp_value: {name} is {w.dtype} but v is {v.dtype}; cast them to one dtype.")
+            raise OpInputError(
+                f"kha::mlp_value: {name} is {w.dtype} but v is {v.dtype}; cast them to one dtype "
+                "(model.to(dtype) casts the KHA weights with the model), or run the model under "
+                "torch.autocast, which casts both to its dtype."
+            )
         if w.device != v.device:
             raise OpInputError(
                 f"kha::mlp_value: {name} is on {w.device} but v is on {v.device}; move them to one device."
@@ -53,8 +62,50 @@ def check_mlp_value_inputs(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tens
 
 
 def mlp_value_reference(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
-    """The composite formula, in plain torch ops (the op's reference and its decomposition)."""
-    return (2.0 * (v @ w_up) * torch.sigmoid(v @ w_gate)) @ w_down
+    """The composite formula, in plain torch ops (the op's reference and its decomposition).
+
+    Written ``(v W_up) * (2 sigmoid(v W_gate))``: the same products as ``2 (v W_up) sigmoid(v W_gate)``
+    (scaling by 2 is exact), and autograd then scales the gradient of ``v W_up`` by ``2 sigmoid = 1``
+    at init instead of halving it first, which loses fp16 subnormals: identity at init stays exact
+    in backward too.
+    """
+    return ((v @ w_up) * (2.0 * torch.sigmoid(v @ w_gate))) @ w_down
+
+
+def _plain_eager(v: Tensor) -> bool:
+    """True for a plain tensor off CUDA in eager mode: no tracing, no fake or sharded tensor, no mode.
+
+    There the op's kernel is the composite formula anyway, and autograd of the formula saves the
+    gate activations instead of recomputing them: the faster exact path (the same numbers as KHA
+    written by hand). Everywhere else (CUDA: the fused Triton kernels; torch.compile, torch.export,
+    ONNX: one node; DTensor: its sharding rule; FLOP counting: its formula) the op runs.
+    """
+    return (
+        type(v) is Tensor
+        and v.device.type != "cuda"
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+    )
+
+
+def mlp_value_auto(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
+    """The MLP-value transform by its fastest exact path: ``kha::mlp_value`` where it pays, else the formula.
+
+    In plain eager mode off CUDA (see :func:`_plain_eager`) it is autograd of
+    :func:`mlp_value_reference`, with the op's input checks outside autocast and autocast's own
+    casts inside it (the same numbers the op gives). Everywhere else it is the op. What KHA's
+    MLP-value transform modules call.
+
+    Example::
+
+        y = mlp_value_auto(v, w_up, w_gate, w_down)      # v: (..., d)
+    """
+    if not _plain_eager(v):
+        return torch.ops.kha.mlp_value(v, w_up, w_gate, w_down)
+    if not torch.is_autocast_enabled(v.device.type):
+        check_mlp_value_inputs(v, w_up, w_gate, w_down)
+    return mlp_value_reference(v, w_up, w_gate, w_down)
 
 
 @torch.library.custom_op("kha::mlp_value", mutates_args=())
@@ -227,3 +278,44 @@ def _backward(ctx, grad):
 
 
 mlp_value.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autocast: cast to the autocast dtype of the moment, as matmul does (torch.library.register_autocast
+# takes one fixed dtype; bf16 and fp16 regions both need to work)
+# --------------------------------------------------------------------------------------------------
+_AUTOCAST_LIB = torch.library.Library("kha", "IMPL")  # kept alive for the registrations below
+
+
+def _cast_for_autocast(t: Tensor, device_type: str, dtype: torch.dtype) -> Tensor:
+    """``t`` in the autocast dtype, if autocast would cast it for a matmul (floating, on that device, not fp64)."""
+    eligible = t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
+    return t.to(dtype) if eligible else t
+
+
+def _register_autocast(device_type: str) -> None:
+    """Register the Autocast<Device> kernel of ``kha::mlp_value``: cast, then run the op below autocast."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
+        dtype = torch.get_autocast_dtype(device_type)
+        args = (_cast_for_autocast(t, device_type, dtype) for t in (v, w_up, w_gate, w_down))
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            return torch.ops.kha.mlp_value.default(*args)
+
+    _AUTOCAST_LIB.impl("mlp_value", kernel, key)
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """The device types whose autocast casts ``kha::mlp_value``'s inputs (every one torch has autocast for).
+
+    Example::
+
+        "cpu" in autocast_device_types()      # True
+    """
+    return tuple(d for d in ("cpu", "cuda", "xpu", "mps") if torch.amp.is_autocast_available(d))
+
+
+for _device in autocast_device_types():
+    _register_autocast(_device)

@@ -208,6 +208,18 @@ def test_op_cuda_impl_reshapes_leading_dims():
 
 
 @needs_triton
+@pytest.mark.parametrize("M", [0, 40])
+def test_backward_outputs_share_no_storage(M):
+    """The backward op's four outputs are tensors of their own: a custom op may not return aliases
+    (torch refuses them on CUDA: "may not alias any inputs to this custom operator or other returns")."""
+    v, ws, grad = _inputs(M, 16, torch.float32)
+    outs = mlp_value_triton_backward(grad, v, *ws)
+    ptrs = [t.untyped_storage().data_ptr() for t in outs if t.numel()]
+    inputs = {t.untyped_storage().data_ptr() for t in (grad, v, *ws) if t.numel()}
+    assert len(set(ptrs)) == len(ptrs) and not set(ptrs) & inputs
+
+
+@needs_triton
 def test_op_cuda_impl_falls_back_where_kernel_does_not_apply():
     from kha_compile.ops.mlp_value import _mlp_value_cuda
 

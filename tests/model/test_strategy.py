@@ -37,16 +37,22 @@ def _set_strategy(model: nn.Module, strategy: str) -> None:
 
 @pytest.fixture
 def swaps(monkeypatch):
-    """Counts the weight-side calls (each swaps the folded weight in for one forward)."""
+    """Counts the weight-side calls: each folds the transforms into the weight (``kha_fold(detach=False)``)
+    for one forward, or swaps the folded weight in (nn.MultiheadAttention)."""
     calls = []
-    real = kmod.swapped_params
+    real_fold, real_swap = kmod.KHAProjection.kha_fold, kmha.swapped_params
 
-    def spy(module, params):
+    def fold_spy(self, roles, *, detach=True):
+        if not detach:
+            calls.append(type(self).__name__)
+        return real_fold(self, roles, detach=detach)
+
+    def swap_spy(module, params):
         calls.append(type(module).__name__)
-        return real(module, params)
+        return real_swap(module, params)
 
-    monkeypatch.setattr(kmod, "swapped_params", spy)
-    monkeypatch.setattr(kmha, "swapped_params", spy)
+    monkeypatch.setattr(kmod.KHAProjection, "kha_fold", fold_spy)
+    monkeypatch.setattr(kmha, "swapped_params", swap_spy)
     return calls
 
 

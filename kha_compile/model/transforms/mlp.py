@@ -1,4 +1,9 @@
-"""KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one ``kha::mlp_value`` op; never folds."""
+"""KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one ``kha::mlp_value`` op; never folds.
+
+The module runs :func:`~kha_compile.ops.mlp_value_auto`: the op on CUDA (fused Triton kernels) and in
+every traced graph (torch.compile, torch.export, ONNX), autograd of the formula in plain eager mode
+elsewhere (no recompute in backward; the op's CPU kernel is that formula anyway).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ... import ops  # noqa: F401  (registers torch.ops.kha.mlp_value)
+from ...ops import mlp_value_auto  # (importing ops registers torch.ops.kha.mlp_value)
 from ...ops.mlp_value_onnx import translate_mlp_value
 from .base import TransformKind, register_transform
 
@@ -23,7 +28,7 @@ class KHAMLPValue(nn.Module):
     Example::
 
         t = KHAMLPValue(64)
-        y = t(v)            # v: (..., 64), runs torch.ops.kha.mlp_value
+        y = t(v)            # v: (..., 64); one torch.ops.kha.mlp_value in graphs and on CUDA
     """
 
     kind = "mlp"
@@ -65,7 +70,7 @@ class MLPValueKind(TransformKind):
 
     def functional(self, x: Tensor, *params: Tensor) -> Tensor:
         up, gate, down = params
-        return torch.ops.kha.mlp_value(x, up, gate, down)
+        return mlp_value_auto(x, up, gate, down)
 
     def onnx_translations(self) -> dict[Any, Callable[..., Any]]:
         return {torch.ops.kha.mlp_value.default: translate_mlp_value}
