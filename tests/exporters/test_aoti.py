@@ -22,7 +22,7 @@ import zoo
 from helpers import kha_params, perturb
 from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import ExportError, MissingExampleInputsError
-from kha_compile.exporters import aoti
+from kha_compile.exporters import aoti, aoti_steps
 from kha_compile.exporters.aoti import export_aoti, lower_kha_ops, read_aoti_metadata
 from kha_compile.exporters.metadata import METADATA_KEYS, METADATA_PREFIX, kha_metadata, parse_metadata
 
@@ -114,7 +114,7 @@ def test_mlp_value_package_keeps_the_kha_weights(mlp_package):
 
 
 def test_lower_kha_ops_refuses_a_kha_op_left_over(monkeypatch):
-    monkeypatch.setattr(aoti, "KHA_DECOMPOSITIONS", {})  # as if a new kha op had no formula
+    monkeypatch.setattr(aoti_steps, "KHA_DECOMPOSITIONS", {})  # as if a new kha op had no formula
     with pytest.raises(ExportError, match=r"step 'lower': kha\.mlp_value\.default left in the program"):
         lower_kha_ops(_exported_mlp_block())
 
