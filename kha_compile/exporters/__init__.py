@@ -3,7 +3,7 @@ onnxruntime-genai), TensorRT engines and AOTInductor packages (.pt2, MLP-value l
 kha_compile at run time; with a static KV cache for generation), and greedy loops over each."""
 
 from .aoti import export_aoti, read_aoti_metadata
-from .generate import generate_aoti, generate_onnx, generate_tensorrt
+from .generate import generate_aoti, generate_genai, generate_onnx, generate_tensorrt
 from .onnx import export_onnx, onnx_summary, read_kha_metadata
 from .tensorrt import export_tensorrt
 
@@ -12,6 +12,7 @@ __all__ = [
     "export_onnx",
     "export_tensorrt",
     "generate_aoti",
+    "generate_genai",
     "generate_onnx",
     "generate_tensorrt",
     "onnx_summary",

@@ -11,8 +11,8 @@ at ``cache_position`` by each call, so one compiled graph serves both steps:
 - decode: ``runner(next_id[:, None], tensor([P + t]))``, one token at a time.
 
 Positions after the current one are masked out, so a new prompt starts again at position 0 without
-clearing the cache. A call may use any batch from 1 to ``max_batch`` (the first rows of the cache)
-and must keep ``start + sequence <= max_cache_len``: :func:`kha_compile.exporters.generate.generate_aoti`
+clearing the cache. A call may use any batch from 1 to ``max_batch`` (the graph always computes
+``max_batch`` rows: keep it at 1, the default, for one sequence at a time) and must keep ``start + sequence <= max_cache_len``: :func:`kha_compile.exporters.generate.generate_aoti`
 refuses more with :class:`~kha_compile.core.errors.CacheOverflowError`, and the package itself stops
 with "index out of bounds" (C++ ``std::runtime_error``) instead of writing outside its cache.
 No attention mask: the rows of a batch are prompts of one length, without padding.
@@ -90,23 +90,28 @@ class StaticCacheLM(nn.Module):
                     "sliding-window and shared-cache layers cannot be expressed."
                 )
         self.cache: Any = cache
+        self.max_batch = max_batch
         shape = (max_batch, layout.num_kv_heads, max_cache_len, layout.head_size)  # (B, H_kv, S_max, D)
         for i in range(layout.num_layers):
-            self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=layout.dtype, device=device), False)
-            self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=layout.dtype, device=device), False)
+            self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=layout.dtype, device=device))
+            self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=layout.dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        b = input_ids.shape[0]
+        b, s = input_ids.shape
+        if self.max_batch > 1:
+            # fewer rows than the cache: pad to max_batch (rows of token 0, dropped from the logits). Writing
+            # into the first b rows of the buffers instead (a slice) compiles, with torch 2.13's Inductor, to a
+            # copy-back that fills the other rows from uninitialized memory: NaN in them later.
+            pad = input_ids.new_zeros(self.max_batch, s)  # not max_batch - b rows: a size 0 crashes the kernels
+            input_ids = torch.cat([input_ids, pad])[: self.max_batch]  # (B_max, S)
         for i, layer in enumerate(self.cache.layers):
-            # the traced buffers (export swaps them for its own): the first b rows take this call's tokens
-            layer.keys = getattr(self, f"key_cache_{i}")[:b]
-            layer.values = getattr(self, f"value_cache_{i}")[:b]
+            layer.keys = getattr(self, f"key_cache_{i}")  # the traced buffers (export swaps them for its own)
+            layer.values = getattr(self, f"value_cache_{i}")
             layer.cumulative_length = cache_position[0].clone()  # where this call writes (update adds in place)
-        positions = cache_position.unsqueeze(0).expand(b, -1)  # (B, S)
         kwargs = {self.layout.cache_arg: self.cache, "use_cache": True}
         if self.layout.position_ids:
-            kwargs["position_ids"] = positions
-        return self.model(input_ids=input_ids, **kwargs).logits
+            kwargs["position_ids"] = cache_position.unsqueeze(0).expand(input_ids.shape[0], -1)  # (B_max, S)
+        return self.model(input_ids=input_ids, **kwargs).logits[:b]
 
 
 def generation_example(model: nn.Module, max_batch: int, max_cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import pathlib
+import warnings
 from typing import Any
 
 import torch
@@ -160,7 +161,9 @@ def export_with_past(model: nn.Module, path: str | os.PathLike, fold: bool = Tru
     was_training = target.training
     target.eval()
     try:
-        program = run_exporter(_WithPast(target, layout), args, {}, _dynamic_shapes(layout))
+        with warnings.catch_warnings():  # each named Dim is used by several inputs, as intended
+            warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used")
+            program = run_exporter(_WithPast(target, layout), args, {}, _dynamic_shapes(layout))
     finally:
         target.train(was_training)
 

@@ -8,8 +8,6 @@ on v; linear q, k, v folded), shared by every test, of the tiny zoo Llama (hidde
 from __future__ import annotations
 
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -26,7 +24,6 @@ from kha_compile.exporters import aoti, aoti_steps
 from kha_compile.exporters.aoti import export_aoti, lower_kha_ops, read_aoti_metadata
 from kha_compile.exporters.metadata import METADATA_KEYS, METADATA_PREFIX, kha_metadata, parse_metadata
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 # lengths 17 and 100: more tokens than d_model (64), and neither is the example's 8
 CALLS = [(3, 17), (1, 100)]
 
@@ -214,19 +211,10 @@ def test_read_metadata_of_a_file_that_is_no_package(tmp_path):
         read_aoti_metadata(tmp_path / "bad.pt2")
 
 
-@pytest.mark.slow  # builds the C++ runner: 10-25 s of g++ on two cores
-def test_cpp_runner_matches_torch(mlp_package, tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
+@pytest.mark.slow  # builds the C++ runner (the aoti_runner fixture): 10-25 s of g++ on two cores
+def test_cpp_runner_matches_torch(mlp_package, aoti_runner):
     model, path = mlp_package
-    runner = tmp_path / "kha_aoti_runner"
-    build = subprocess.run(
-        ["bash", str(REPO / "examples/aoti_cpp/build.sh"), sys.executable, str(runner)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
+    runner = aoti_runner
     env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1"}  # no Python involved
     for b, s in CALLS:
         out = subprocess.run(

@@ -233,6 +233,9 @@ def _aoti_rows(out: pathlib.Path) -> list[tuple[str, str]]:
         ("KHA", f"{meta.get('kha')}: {', '.join(transforms) or 'none'}; folded: {meta.get('folded')}"),
         ("sites", str(len(meta.get("sites") or []))),
     ]
+    if meta.get("cache"):
+        c = meta["cache"]
+        rows.append(("static KV cache", f"{c['max_batch']} x {c['max_cache_len']} positions, {c['num_layers']} layers"))
     for name in meta.get("input_names", []):
         axes = ranges.get(name, {})
         dyn = ", ".join(f"{a}: {lo}..{'∞' if hi is None else hi}" for a, (lo, hi) in axes.items()) or "static"
