@@ -19,6 +19,8 @@ in any Python process with the same torch (no kha_compile, no transformers), and
 * The package carries the KHA metadata of the ONNX files (:mod:`kha_compile.exporters.metadata`)
   plus the input and output names, read back with :func:`read_aoti_metadata` or
   ``AOTIModelPackageLoader::get_metadata()`` in C++.
+* With ``generation=True`` the package generates instead: prefill and one-token decode over a static
+  KV cache held inside it (:mod:`kha_compile.exporters.aoti_generation`).
 
 CUDA, not run here (no GPU was lent when this was written): a model on a CUDA device gives a CUDA
 package through the same steps, with Inductor's own kernels for the decomposed MLP-value. To put

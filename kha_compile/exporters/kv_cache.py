@@ -41,6 +41,7 @@ __all__ = [
     "cache_layout",
     "cache_tensors",
     "model_config",
+    "output_cache",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ def model_config(model: nn.Module) -> Any:
     return config
 
 
+def output_cache(out: Any) -> Any:
+    """The cache a transformers model returned: ``out.cache`` (transformers >= 5.2x) or ``out.past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(keys, values)]`` per layer of a transformers cache (``cache.layers``)."""
     return [(layer.keys, layer.values) for layer in cache.layers]
@@ -125,7 +132,7 @@ def cache_layout(model: nn.Module) -> CacheLayout:
             "encoder and decoder yourself, or use a decoder-only model."
         )
     out = _probe(model, cache_arg, "position_ids" in params)
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = output_cache(out)
     if cache is None:
         raise NoKVCacheError(
             f"{name} returned no KV cache from a forward with use_cache=True: it keeps none (an encoder such as "

@@ -39,7 +39,7 @@ from .common import check_destination, without_kv_cache
 from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
 from .onnx_past import export_with_past
-from .onnx_program import add_mlp_value_function, count_mlp_value, run_exporter, save_and_check
+from .onnx_program import export_program, save_and_check
 
 __all__ = [
     "METADATA_KEYS",
@@ -259,17 +259,8 @@ def export_onnx(
         raise ExportError(
             f"ONNX export of {name}, step 'export': the example inputs do not fit {name}.forward: {e}"
         ) from e
-    was_training = model.training
-    model.eval()
-    try:
-        program = run_exporter(model, args, kwargs, shapes)
-    finally:
-        model.train(was_training)
-
+    program, num_custom = export_program(model, args, kwargs, shapes)
     ir_model = program.model
-    num_custom = count_mlp_value(ir_model)
-    if num_custom:
-        add_mlp_value_function(ir_model)
     exported = getattr(program, "exported_program", None)
     if dynamic:
         name_dynamic_dims(ir_model, exported.range_constraints if exported is not None else {})

@@ -48,10 +48,10 @@ from ..ops.mlp_value_onnx import import_onnx
 from ..passes.fold import fold as fold_pass
 from .common import check_destination
 from .genai import genai_config, write_genai_config
-from .kv_cache import CacheLayout, cache_layout, cache_tensors
+from .kv_cache import CacheLayout, cache_layout, cache_tensors, output_cache
 from .metadata import METADATA_PREFIX, kha_metadata
 from .onnx_names import rename_io
-from .onnx_program import add_mlp_value_function, count_mlp_value, run_exporter, save_and_check
+from .onnx_program import export_program, save_and_check
 
 __all__ = ["DIMS", "FILENAME", "TOTAL_SEQUENCE_AXIS", "export_with_past", "past_destination"]
 
@@ -81,8 +81,7 @@ class _WithPast(nn.Module):
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         out = self.model(input_ids=input_ids, **kwargs)
-        present = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return (out.logits, *(t for pair in cache_tensors(present) for t in pair))
+        return (out.logits, *(t for pair in cache_tensors(output_cache(out)) for t in pair))
 
 
 def past_destination(path: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path]:
@@ -158,19 +157,10 @@ def export_with_past(model: nn.Module, path: str | os.PathLike, fold: bool = Tru
         target = copy.deepcopy(model)  # the caller's model keeps its KHA
         fold_pass(target, strict=False)
         log.info("folded the linear KHA of a copy of %s before export", name)
-    was_training = target.training
-    target.eval()
-    try:
-        with warnings.catch_warnings():  # each named Dim is used by several inputs, as intended
-            warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used")
-            program = run_exporter(_WithPast(target, layout), args, {}, _dynamic_shapes(layout))
-    finally:
-        target.train(was_training)
-
+    with warnings.catch_warnings():  # each named Dim is used by several inputs, as intended
+        warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used")
+        program, num_custom = export_program(_WithPast(target, layout), args, {}, _dynamic_shapes(layout))
     ir_model = program.model
-    num_custom = count_mlp_value(ir_model)
-    if num_custom:
-        add_mlp_value_function(ir_model)
     inputs = ["input_ids", "attention_mask", *(["position_ids"] if layout.position_ids else []), *layout.past_names()]
     rename_io(ir_model, None, name, inputs, ["logits", *layout.present_names()])
     ir_model.metadata_props.update(metadata)

@@ -8,9 +8,8 @@ again. :func:`kha_compile.export_onnx` (one forward) and the with-past export
 
 Example::
 
-    program = run_exporter(model, (x,), {}, shapes=None)
-    add_mlp_value_function(program.model)
-    save_and_check(program, path, "MyModel", num_custom=count_mlp_value(program.model))
+    program, num_custom = export_program(model, (x,), {}, shapes=None)   # + the MLP-value function
+    save_and_check(program, path, "MyModel", num_custom)
 """
 
 from __future__ import annotations
@@ -33,7 +32,14 @@ from ..ops.mlp_value_onnx import (
 )
 from .common import root_reason
 
-__all__ = ["add_mlp_value_function", "count_mlp_value", "run_exporter", "save_and_check", "translations"]
+__all__ = [
+    "add_mlp_value_function",
+    "count_mlp_value",
+    "export_program",
+    "run_exporter",
+    "save_and_check",
+    "translations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,23 @@ def run_exporter(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> An
         kind = type(e).__name__
         step = {"TorchExportError": "export", "ConversionError": "translation"}.get(kind, "export")
         raise ExportError(f"ONNX export of {name}, step '{step}' failed: {root_reason(e)}") from e
+
+
+def export_program(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[Any, int]:
+    """:func:`run_exporter` in eval mode (the training flag restored), then the MLP-value function added.
+
+    Returns the ONNX program and how many ``kha::MLPValue`` nodes it holds.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        program = run_exporter(model, args, kwargs, shapes)
+    finally:
+        model.train(was_training)
+    num_custom = count_mlp_value(program.model)
+    if num_custom:
+        add_mlp_value_function(program.model)
+    return program, num_custom
 
 
 def count_mlp_value(ir_model: Any) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 
 import kha_compile as kc
 import zoo
-from helpers import kha_params, perturb
+from helpers import kha_params, perturb, run_outside_repo
 from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import ExportError, MissingExampleInputsError
 from kha_compile.exporters import aoti, aoti_steps
@@ -90,19 +89,10 @@ def test_mlp_value_package_runs_where_kha_compile_cannot_be_imported(mlp_package
     calls = _calls()
     real = [m.bool() for _, m in calls]  # padded positions attend to nothing: compare the real tokens
     torch.save({"inputs": calls, "outputs": _eager(model, calls), "real": real}, tmp_path / "ref.pt")
-    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}  # no PYTHONPATH
-    res = subprocess.run(
-        [sys.executable, "-c", FRESH, str(path), str(tmp_path / "ref.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,  # not the repository: kha_compile is not on sys.path
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    diffs = [float(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("diff")]
+    stdout = run_outside_repo(FRESH, str(path), str(tmp_path / "ref.pt"), cwd=tmp_path)
+    diffs = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("diff")]
     assert len(diffs) == len(CALLS) and max(diffs) < 1e-4, diffs
-    assert "loaded without kha_compile" in res.stdout
+    assert "loaded without kha_compile" in stdout
 
 
 def test_mlp_value_package_keeps_the_kha_weights(mlp_package):

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import kha_compile as kc
 import zoo
-from helpers import perturb
+from helpers import perturb, run_outside_repo
 from kha_compile.core.errors import CacheOverflowError, ExportError, NoKVCacheError
 from kha_compile.exporters import generate, generate_aoti, read_aoti_metadata
 
@@ -78,17 +77,8 @@ def test_the_tokens_depend_on_the_kha_weights(package):
 def test_runs_where_kha_compile_cannot_be_imported(package, tmp_path):
     model, path, _ = package
     torch.save({"prompts": PROMPTS, "want": [_hf_generate(model, p) for p in PROMPTS]}, tmp_path / "ref.pt")
-    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}
-    res = subprocess.run(
-        [sys.executable, "-c", FRESH, str(path), str(tmp_path / "ref.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,  # not the repository: kha_compile is not on sys.path
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["equal", "True"] * len(PROMPTS)
+    stdout = run_outside_repo(FRESH, str(path), str(tmp_path / "ref.pt"), cwd=tmp_path)
+    assert stdout.split() == ["equal", "True"] * len(PROMPTS)
 
 
 def test_metadata_names_the_inputs_and_the_cache(package):
