@@ -3,8 +3,9 @@ by a plain onnxruntime loop and (on a machine with TensorRT) by a TensorRT engin
 
 References: transformers' own ``generate`` on the KHA model (greedy tokens), and the model's forward over
 the whole sequence without a cache (logits). Two exports are shared by the module (about 10-20 s each on
-two busy cores): a Llama-style model (GQA) with MLP-value KHA on v, and a Qwen3-style model (GQA, q/k RMSNorm)
-with linear KHA on q, k and v folded into the file; both with perturbed (trained-like) KHA weights.
+two busy cores): a Llama-style model (GQA) with linear KHA on q and k (folded) and MLP-value KHA on v, and a
+Qwen3-style model (GQA, q/k RMSNorm) with linear KHA on q, k and v, all folded into the file; both with
+perturbed (trained-like) KHA weights.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _model(name: str, cfg: kc.KHAConfig, eos: int) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def llama_mlp(tmp_path_factory):
-    """(Llama with MLP-value KHA, the genai directory): the directory is created by the export."""
-    model = _model("llama", kc.KHAConfig(v="mlp"), eos=2)
+    """(Llama with linear KHA on q, k and MLP-value on v, the genai directory): created by the export."""
+    model = _model("llama", kc.KHAConfig(q="linear", k="linear", v="mlp"), eos=2)
     out = tmp_path_factory.mktemp("past") / "llama_genai"
     path = kc.export_onnx(model, out, past=True)
     assert path == out / "model.onnx"
@@ -159,7 +160,9 @@ def test_mlp_value_nodes_keep_their_function_body_and_plugin_attributes(llama_ml
     proto = onnx.load(str(path))
     node = next(n for n in proto.graph.node if n.op_type == MLP_VALUE_OP)
     assert {a.name: a.s.decode() for a in node.attribute} == {"plugin_namespace": "kha", "plugin_version": "1"}
-    assert len(kha_params(model)) == 2 * 3, "export_onnx(past=True) must not fold or strip the caller's model"
+    kha_weights = [i.name for i in proto.graph.initializer if ".kha." in i.name]
+    assert len(kha_weights) == 2 * 3 and all(".kha.v." in n for n in kha_weights)  # q and k folded
+    assert len(kha_params(model)) == 2 * 5, "export_onnx(past=True) must not fold or strip the caller's model"
     folded = onnx.load(str(qwen3_linear[1]))
     assert onnx_summary(folded).num_custom_nodes == 0
     assert not [i.name for i in folded.graph.initializer if "kha" in i.name]  # folded into q, k, v weights
@@ -168,7 +171,8 @@ def test_mlp_value_nodes_keep_their_function_body_and_plugin_attributes(llama_ml
 def test_metadata_records_the_cache(llama_mlp, qwen3_linear):
     meta = read_kha_metadata(llama_mlp[1])
     assert meta["cache"] == {"kind": "dynamic", "num_layers": 2, "num_kv_heads": 2, "head_size": 16, "dtype": "float32"}
-    assert meta["config"]["v"] == "mlp" and meta["folded"] is False and len(meta["sites"]) == 2
+    assert meta["config"]["v"] == "mlp" and meta["config"]["q"] == "linear" and len(meta["sites"]) == 2
+    assert meta["folded"] is True  # q and k
     assert read_kha_metadata(qwen3_linear[1])["folded"] is True
 
 
