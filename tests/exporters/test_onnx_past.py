@@ -23,6 +23,7 @@ from kha_compile.core.errors import CacheLayoutError, ExportError, NoKVCacheErro
 from kha_compile.exporters import generate_genai, generate_onnx, generate_tensorrt
 from kha_compile.exporters.onnx import MLP_VALUE_DOMAIN, MLP_VALUE_OP, onnx_summary, read_kha_metadata
 from kha_compile.exporters.tensorrt import export_tensorrt, profile_shapes
+from kha_compile.exporters.tensorrt_aot import mark_aot_nodes
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -162,6 +163,7 @@ def test_mlp_value_nodes_keep_their_function_body_and_plugin_attributes(llama_ml
     assert {a.name: a.s.decode() for a in node.attribute} == {"plugin_namespace": "kha", "plugin_version": "1"}
     kha_weights = [i.name for i in proto.graph.initializer if ".kha." in i.name]
     assert len(kha_weights) == 2 * 3 and all(".kha.v." in n for n in kha_weights)  # q and k folded
+    assert mark_aot_nodes(proto) == 2  # what export_tensorrt does before parsing: both take the AOT kernel (d 16)
     assert len(kha_params(model)) == 2 * 5, "export_onnx(past=True) must not fold or strip the caller's model"
     folded = onnx.load(str(qwen3_linear[1]))
     assert onnx_summary(folded).num_custom_nodes == 0
