@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -79,3 +80,11 @@ def write_json(path: str | None, record: dict) -> None:
     if path:
         record = {"machine": machine(), **record}
         pathlib.Path(path).write_text(json.dumps(record, indent=2))
+
+
+def finish(record: dict, load_before: float, path: str | None) -> dict:
+    """Print and record the load average before and after the run, then write the JSON record; returns it."""
+    record["load_avg"] = [load_before, os.getloadavg()[0]]
+    print(f"load average {record['load_avg'][0]:.2f} -> {record['load_avg'][1]:.2f}")
+    write_json(path, record)
+    return record

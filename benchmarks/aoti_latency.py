@@ -24,7 +24,7 @@ import tempfile
 import time
 
 import torch
-from _common import add_threads_arg, apply_threads, deploy_line, deploy_ratios, interleaved_times, write_json
+from _common import add_threads_arg, apply_threads, deploy_line, deploy_ratios, finish, interleaved_times
 
 import kha_compile as kc
 
@@ -98,10 +98,7 @@ def main(argv=None) -> dict:
                 deploy_line(f"batch {batch}, seq {SEQ}", rec) + f" | mlp-value package vs eager max |diff| {worst:.2g}"
             )
             record[f"b{batch}"] = rec
-    record["load_avg"] = [load_before, os.getloadavg()[0]]
-    print(f"load average {record['load_avg'][0]:.2f} -> {record['load_avg'][1]:.2f}")
-    write_json(args.json, record)
-    return record
+    return finish(record, load_before, args.json)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ OPS = ("tests/ops/test_mlp_value.py",)
 WEIGHT_CHANGES = ("tests/model/test_weight_changes.py",)
 TRAINER = ("tests/integrations/test_trainer_eval.py",)
 ARCHITECTURES = ("tests/test_more_architectures.py", "tests/test_third_party_models.py")
+ONNX_PAST = ("tests/exporters/test_onnx_past.py",)
+AOTI_GENERATION = ("tests/exporters/test_aoti_generation.py",)
+GENERATE = ("tests/exporters/test_generate.py",)
 
 BUGS: list[Bug] = [
     Bug(
@@ -171,6 +174,30 @@ BUGS: list[Bug] = [
         "w, bias = fold_rows(w, bias, HeadSlot(r, (2 - i) * E, H, Dh, Dh), t, 0, detach=detach)",
         "nn.MultiheadAttention folds T^Q into the value rows of in_proj_weight and T^V into the query rows",
         {"fold": FOLD, "apply (identity, wired)": APPLY},
+    ),
+    Bug(
+        "past_keys_values_swapped",
+        "kha_compile/exporters/onnx_past.py",
+        "(past[2 * i], past[2 * i + 1]) for i in",
+        "(past[2 * i + 1], past[2 * i]) for i in",
+        "the with-past ONNX file reads past_key_values.N.value as the keys and .key as the values",
+        {"ONNX with past": ONNX_PAST},
+    ),
+    Bug(
+        "static_cache_writes_at_zero",
+        "kha_compile/exporters/aoti_generation.py",
+        "layer.cumulative_length = cache_position[0].clone()",
+        "layer.cumulative_length = cache_position[0].clone() * 0",
+        "the generation package writes every call's keys and values at cache position 0",
+        {"AOTI generation": AOTI_GENERATION},
+    ),
+    Bug(
+        "greedy_position_off_by_one",
+        "kha_compile/exporters/generate.py",
+        "        start = tokens.shape[1]\n",
+        "        start = tokens.shape[1] + 1\n",
+        "the greedy loops feed each new token one position too far (RoPE position and cache slot)",
+        {"greedy loops": GENERATE, "ONNX with past": ONNX_PAST},
     ),
 ]
 

@@ -116,6 +116,22 @@ def run_python(script: str, expect: str, timeout: int = 300) -> str:
     return res.stdout
 
 
+def run_outside_repo(script: str, *args: str, cwd, timeout: int = 300) -> str:
+    """Run ``script`` with ``args`` in a fresh interpreter started in ``cwd`` (not the repository, so kha_compile is
+    not on its path), with only PATH, one OpenMP thread and AOTInductor's input checks in its environment; it
+    must exit 0. Returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}  # no PYTHONPATH
+    res = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 # The start of a script run where kha_compile cannot be imported (what a user without it has); it
 # records transformers' log records in ``seen`` as (level name, message).
 WITHOUT_KHA = """

@@ -19,6 +19,8 @@ __all__ = [
     "BackendError",
     "BackendOptionError",
     "BackendUnavailableError",
+    "CacheLayoutError",
+    "CacheOverflowError",
     "CheckpointError",
     "CommandError",
     "DeployError",
@@ -35,6 +37,7 @@ __all__ = [
     "ModelLoadError",
     "NoAttentionFoundError",
     "NoKHATransformsError",
+    "NoKVCacheError",
     "OpInputError",
     "RegistrationError",
     "RegistryError",
@@ -150,6 +153,21 @@ class ExportError(KHAError):
 
 class ExportNamesError(ExportError, ValueError):
     """input_names / output_names given to an export do not fit the model's inputs or outputs."""
+
+
+# ---- generation from exported files (KV cache) ------------------------------------------------
+
+
+class NoKVCacheError(ExportError):
+    """An export with a KV cache was asked of a model that keeps none (an encoder, a module without a cache)."""
+
+
+class CacheLayoutError(ExportError):
+    """The model's KV cache has a layout the export cannot express (the message names it)."""
+
+
+class CacheOverflowError(KHAError, ValueError):
+    """A generation call needs more positions (or sequences) than a static KV cache holds."""
 
 
 class EngineError(KHAError):

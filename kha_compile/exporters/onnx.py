@@ -19,12 +19,10 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
-from ..model.transforms import transform_kinds
 from ..ops.mlp_value_onnx import (
     MLP_VALUE_DOMAIN,
     MLP_VALUE_DOMAIN_VERSION,
@@ -34,13 +32,14 @@ from ..ops.mlp_value_onnx import (
     PLUGIN_VERSION,
     import_onnx,
     mlp_value_function,
-    mlp_value_schema,
     translate_mlp_value,
 )
 from ..passes.fold import fold as fold_pass
-from .common import check_destination, low_precision_dtypes, root_reason, without_kv_cache
+from .common import check_destination, low_precision_dtypes, without_kv_cache
 from .onnx_metadata import METADATA_KEYS, kha_metadata, read_kha_metadata
 from .onnx_names import dynamic_axes_for, dynamic_shapes, name_dynamic_dims, rename_io
+from .onnx_past import export_with_past
+from .onnx_program import export_program, save_and_check
 
 __all__ = [
     "METADATA_KEYS",
@@ -189,6 +188,8 @@ def export_onnx(
     fold: bool = True,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    *,
+    past: bool = False,
 ) -> pathlib.Path:
     """Export ``model`` to ONNX at ``path``: each MLP-value call is one ``kha::MLPValue`` node.
 
@@ -206,9 +207,16 @@ def export_onnx(
     the model has). ``metadata_props`` record the library version, the KHA config and the matched
     sites (:data:`METADATA_KEYS`, read back with :func:`read_kha_metadata`).
 
+    With ``past=True`` (a transformers decoder LM) the file takes and returns the KV cache, as
+    onnxruntime-genai expects (``past_key_values.N.key/value`` in, ``present.N.key/value`` out;
+    batch, sequence and past length dynamic), and ``genai_config.json`` is written beside it, so
+    that ``onnxruntime_genai.Model(directory)`` generates: ``path`` is then a directory (the file
+    is ``model.onnx`` inside it) or a ``.onnx`` path. See :mod:`kha_compile.exporters.onnx_past`.
+
     The file holds the ``kha::MLPValue`` function body, so onnxruntime runs it directly. Weights
     stay inside the file unless they pass torch.onnx's large-model threshold (1.5 GB; a protobuf
-    file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it. Returns the path.
+    file cannot exceed 2 GB), then they go to ``<name>.onnx.data`` beside it. Returns the path
+    of the ``.onnx`` file.
 
     Raises :class:`~kha_compile.core.errors.ExportError` naming the step that failed (export,
     translation, function, names, save, check) with the exporter's own reason.
@@ -218,7 +226,21 @@ def export_onnx(
         path = kc.export_onnx(model, "model.onnx", example_args=(x,), output_names=["y"])
         onnxruntime.InferenceSession(str(path)).run(None, {"x": x.numpy()})
         read_kha_metadata(path)["config"]                       # {'q': None, 'v': 'mlp', ...}
+        kc.export_onnx(llm, "llm_genai", past=True)             # llm_genai/model.onnx + genai_config.json
     """
+    if past:
+        if example_args or example_kwargs or input_names is not None or output_names is not None:
+            raise ExportError(
+                "export_onnx(past=True) builds its own example inputs and names its inputs and outputs as "
+                "onnxruntime-genai expects; call it without example_args, example_kwargs, input_names, output_names."
+            )
+        if not dynamic:
+            raise ExportError(
+                "export_onnx(past=True) needs dynamic=True: the past length grows by one with every token."
+            )
+        path = export_with_past(model, path, fold=fold)
+        log.info("%s", onnx_summary(path))
+        return path
     path = check_destination(path)
     import_onnx()
     if not isinstance(model, nn.Module):
@@ -241,47 +263,22 @@ def export_onnx(
     if fold and any("kha" in n for n, _ in model.named_parameters()):
         model = copy.deepcopy(model)  # nothing to fold without KHA: no copy then
         _fold_copy(model)
-    was_training = model.training
-    model.eval()
     try:
-        program = _run_exporter(model, args, kwargs, dynamic)
-    finally:
-        model.train(was_training)
-
+        shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
+    except TypeError as e:
+        raise ExportError(
+            f"ONNX export of {name}, step 'export': the example inputs do not fit {name}.forward: {e}"
+        ) from e
+    program, num_custom = export_program(model, args, kwargs, shapes)
     ir_model = program.model
-    num_custom = sum(1 for node in ir_model.graph if node.domain == MLP_VALUE_DOMAIN and node.op_type == MLP_VALUE_OP)
-    if num_custom:
-        _add_mlp_value_function(ir_model)
     exported = getattr(program, "exported_program", None)
     if dynamic:
         name_dynamic_dims(ir_model, exported.range_constraints if exported is not None else {})
     out_spec = exported.call_spec.out_spec if exported is not None else None
     rename_io(ir_model, out_spec, name, input_names, output_names)
     ir_model.metadata_props.update(metadata)
-
-    try:
-        program.save(path)  # external data only for models near protobuf's 2 GB limit
-    except Exception as e:
-        raise ExportError(
-            f"ONNX export of {name}, step 'save': could not write {str(path)!r}: {type(e).__name__}: {e}"
-        ) from e
-    try:
-        import onnx
-
-        onnx.checker.check_model(str(path), full_check=True)
-    except Exception as e:
-        raise ExportError(
-            f"ONNX export of {name}, step 'check': onnx.checker rejects {str(path)!r}: {type(e).__name__}: {e}"
-        ) from e
-
-    summary = onnx_summary(path)
-    log.info("%s", summary)
-    if summary.num_custom_nodes != num_custom:  # the optimizer must keep every MLP-value node
-        raise ExportError(
-            f"ONNX export of {name}, step 'check': {num_custom} "
-            f"MLPValue nodes were translated but {summary.num_custom_nodes} are in "
-            f"{str(path)!r}."
-        )
+    save_and_check(program, path, name, num_custom)
+    log.info("%s", onnx_summary(path))
     return path
 
 
@@ -289,59 +286,3 @@ def _fold_copy(model: nn.Module) -> None:
     """Fold the linear KHA of ``model`` (a copy) in place."""
     fold_pass(model, strict=False)
     log.info("folded the linear KHA of a copy of %s before export", type(model).__name__)
-
-
-def _translations() -> dict[Any, Any]:
-    """torch op -> onnxscript translation for the ops every registered transform kind emits."""
-    table: dict[Any, Any] = {}
-    for kind in transform_kinds().values():
-        table.update(kind.onnx_translations())
-    return table
-
-
-def _run_exporter(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> Any:
-    """torch.onnx.export (dynamo) with the MLP-value translation; ExportError names the step."""
-    name = type(model).__name__
-    try:
-        shapes = dynamic_shapes(model, args, kwargs) if dynamic else None
-    except TypeError as e:
-        raise ExportError(
-            f"ONNX export of {name}, step 'export': the example inputs do not fit {name}.forward: {e}"
-        ) from e
-    try:
-        with mlp_value_schema():
-            return torch.onnx.export(
-                model,
-                args,
-                kwargs=kwargs,
-                dynamo=True,
-                dynamic_shapes=shapes,
-                custom_translation_table=_translations(),
-                optimize=True,
-                verbose=False,
-            )
-    except Exception as e:
-        # torch.onnx: TorchExportError = torch.export failed (step 1); ConversionError = the
-        # translation to ONNX failed (step 3); anything else is the exporter's own.
-        kind = type(e).__name__
-        step = {"TorchExportError": "export", "ConversionError": "translation"}.get(kind, "export")
-        raise ExportError(f"ONNX export of {name}, step '{step}' failed: {root_reason(e)}") from e
-
-
-def _add_mlp_value_function(ir_model: Any) -> None:
-    """Append the ``kha::MLPValue`` function (at the model's default opset) and its opset import."""
-    import onnx_ir as ir
-
-    opset = ir_model.opset_imports.get("", ir_model.opset_imports.get("ai.onnx"))
-    if opset is None:
-        raise ExportError("ONNX export, step 'function': the model imports no default-domain opset.")
-    proto = mlp_value_function(opset)
-    try:
-        function = ir.serde.deserialize_function(proto)
-        ir_model.functions[function.identifier()] = function
-        ir_model.opset_imports.setdefault(MLP_VALUE_DOMAIN, MLP_VALUE_DOMAIN_VERSION)
-    except Exception as e:
-        raise ExportError(
-            f"ONNX export, step 'function': could not add the {MLP_VALUE_DOMAIN}::"
-            f"{MLP_VALUE_OP} function: {type(e).__name__}: {e}"
-        ) from e

@@ -21,9 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-import torch
-
-from ..core.errors import EngineError, ExportError
+from ..core.errors import ExportError
 from .common import check_destination
 from .onnx import PLUGIN_ID, TensorInfo, onnx_summary
 from .tensorrt_aot import mark_aot_nodes
@@ -35,11 +33,13 @@ from .tensorrt_plugin import (
     mlp_value_output_shape,
     register_mlp_value_plugin,
 )
+from .tensorrt_run import EngineRunner, run_engine, trt_logger
 
 __all__ = [
     "DEFAULT_DIM_RANGES",
     "PRECISIONS",
     "BuildPlan",
+    "EngineRunner",
     "build_plan",
     "export_tensorrt",
     "mlp_value_output_dtype",
@@ -53,12 +53,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-# (min, opt, max) of the dynamic dims that export_onnx names ("seq" for files written before 0.1.1).
+# (min, opt, max) of the dynamic dims that export_onnx names ("seq" for files written before 0.1.1);
+# past_sequence is the cache length of a with-past file (export_onnx(past=True)): 0 on the first call.
+# Its attention_mask's total_sequence is sequence + past_sequence unless dim_ranges names it.
 DEFAULT_DIM_RANGES: dict[str, tuple[int, int, int]] = {
     "batch": (1, 1, 8),
     "sequence": (1, 128, 1024),
     "seq": (1, 128, 1024),
+    "past_sequence": (0, 128, 1024),
 }
+TOTAL_SEQUENCE = "total_sequence"
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,15 +82,25 @@ def profile_shapes(
     An input named in ``profile`` takes its shapes from there. Every other input keeps its fixed
     dims, and each dynamic dim takes (min, opt, max) from ``dim_ranges`` by its name (``batch``,
     ``seq``; a name ending in ``_batch`` / ``_seq`` counts as that), over
-    :data:`DEFAULT_DIM_RANGES`. Raises :class:`~kha_compile.core.errors.ExportError` for a dynamic dim
+    :data:`DEFAULT_DIM_RANGES`. In a with-past file (``export_onnx(past=True)``) the past length
+    ``past_sequence`` is one more axis of the profile (from 0: the first call has no past), and the
+    attention mask's ``total_sequence`` is ``sequence`` + ``past_sequence``, element by element, unless
+    ``dim_ranges`` names it. Raises :class:`~kha_compile.core.errors.ExportError` for a dynamic dim
     without a range, or shapes that do not fit the input.
 
     Example::
 
         profile_shapes(onnx_summary("m.onnx").inputs, dim_ranges={"sequence": (1, 256, 2048)})
         # {'x': ((1, 1, 64), (1, 256, 64), (8, 2048, 64))}
+        profile_shapes(onnx_summary("genai/model.onnx").inputs,
+                       dim_ranges={"sequence": (1, 1, 512), "past_sequence": (0, 511, 4095)})
+        # {..., 'attention_mask': ((1, 1), (1, 512), (8, 4607)), 'past_key_values.0.key': ((1, 2, 0, 16), ...)}
     """
     ranges = {**DEFAULT_DIM_RANGES, **(dim_ranges or {})}
+    if TOTAL_SEQUENCE not in ranges:
+        ranges[TOTAL_SEQUENCE] = cast(
+            "tuple[int, int, int]", tuple(a + b for a, b in zip(ranges["sequence"], ranges["past_sequence"]))
+        )
     profile = dict(profile or {})
     unknown = sorted(set(profile) - {i.name for i in inputs})
     if unknown:
@@ -213,26 +227,6 @@ def onnx_float_dtype(onnx_path: str | os.PathLike) -> str | None:
     return None
 
 
-def _trt_logger(trt: Any) -> Any:
-    """A ``trt.ILogger`` that forwards TensorRT's messages to this module's logger."""
-    levels = {
-        trt.ILogger.Severity.INTERNAL_ERROR: logging.ERROR,
-        trt.ILogger.Severity.ERROR: logging.ERROR,
-        trt.ILogger.Severity.WARNING: logging.WARNING,
-        trt.ILogger.Severity.INFO: logging.DEBUG,
-        trt.ILogger.Severity.VERBOSE: logging.DEBUG,
-    }
-
-    class _Logger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-
-        def log(self, severity: Any, msg: str) -> None:
-            log.log(levels.get(severity, logging.INFO), "TensorRT: %s", msg)
-
-    return _Logger()
-
-
 def _progress_monitor(trt: Any) -> Any | None:
     """A ``trt.IProgressMonitor`` that logs the build phases (None where TensorRT has none)."""
     if not hasattr(trt, "IProgressMonitor"):
@@ -258,7 +252,7 @@ def _progress_monitor(trt: Any) -> Any | None:
 
 
 # --------------------------------------------------------------------------------------------
-# export_tensorrt, run_engine
+# export_tensorrt (run_engine and EngineRunner: tensorrt_run.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -306,7 +300,7 @@ def export_tensorrt(
     plan = build_plan(precision, onnx_float_dtype(onnx_path), hasattr(trt.BuilderFlag, "FP16"))
     register_mlp_value_plugin()
 
-    logger = _trt_logger(trt)
+    logger = trt_logger(trt)
     builder = trt.Builder(logger)
     flags = 0
     if plan.strongly_typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
@@ -403,60 +397,3 @@ def _merge_profile(profile, min_shapes, opt_shapes, max_shapes):
 def _count_plugin_layers(trt: Any, network: Any) -> int:
     kind = getattr(trt.LayerType, "PLUGIN_V3", None)
     return sum(1 for i in range(network.num_layers) if network.get_layer(i).type == kind)
-
-
-def run_engine(engine_path: str | os.PathLike, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Run a TensorRT engine once on ``inputs`` ({name: tensor or array}); returns CPU outputs.
-
-    Inputs are cast to the engine's input types and moved to the GPU; the MLP-value plugin is
-    registered first. Needs ``tensorrt`` and an NVIDIA GPU.
-
-    Example::
-
-        out = run_engine("model.engine", {"x": torch.randn(2, 16, 64)})
-    """
-    trt = import_tensorrt()
-    register_mlp_value_plugin()
-    engine_path = pathlib.Path(engine_path)
-    runtime = trt.Runtime(_trt_logger(trt))
-    engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
-    if engine is None:
-        raise EngineError(
-            f"TensorRT could not load the engine {str(engine_path)!r} (built by another TensorRT version or GPU?)."
-        )
-    dtypes = {
-        trt.DataType.FLOAT: torch.float32,
-        trt.DataType.HALF: torch.float16,
-        trt.DataType.BF16: torch.bfloat16,
-        trt.DataType.INT32: torch.int32,
-        trt.DataType.INT64: torch.int64,
-        trt.DataType.BOOL: torch.bool,
-        trt.DataType.INT8: torch.int8,
-        trt.DataType.UINT8: torch.uint8,
-    }
-    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-    in_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-    missing = sorted(set(in_names) - set(inputs))
-    if missing:
-        raise EngineError(f"run_engine: inputs {missing} are missing; the engine takes {in_names}.")
-    context = engine.create_execution_context()
-    keep: dict[str, torch.Tensor] = {}
-    for name in in_names:
-        t = torch.as_tensor(inputs[name]).to("cuda", dtype=dtypes[engine.get_tensor_dtype(name)])
-        keep[name] = t.contiguous()
-        context.set_input_shape(name, tuple(t.shape))
-        context.set_tensor_address(name, keep[name].data_ptr())
-    outputs: dict[str, torch.Tensor] = {}
-    for name in names:
-        if name in keep:
-            continue
-        shape = tuple(context.get_tensor_shape(name))
-        outputs[name] = torch.empty(shape, dtype=dtypes[engine.get_tensor_dtype(name)], device="cuda")
-        context.set_tensor_address(name, outputs[name].data_ptr())
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())  # the copies above ran there
-    with torch.cuda.stream(stream):
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise EngineError(f"TensorRT failed to run {str(engine_path)!r} (see its log).")
-    stream.synchronize()
-    return {name: t.cpu() for name, t in outputs.items()}

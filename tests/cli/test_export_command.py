@@ -88,3 +88,32 @@ def test_export_pt2_writes_a_package_and_checks_it_against_torch(capsys, tmp_pat
     ids = torch.randint(0, 128, (3, 11))
     (logits,) = torch._inductor.aoti_load_package(str(path))(ids, torch.ones_like(ids))
     assert logits.shape == (3, 11, 128)
+
+
+@pytest.mark.slow  # a with-past torch.onnx export: 10-25 s on two busy cores
+def test_export_genai_writes_the_directory_and_checks_generated_tokens(capsys, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "genai"
+    code, text, _ = run(capsys, "export", "tiny-llama", str(out), "--genai", "--mlp")
+    assert code == 0, text
+    assert (out / "model.onnx").is_file() and (out / "genai_config.json").is_file()
+    assert "input past_key_values.0.key" in text and "output present.1.value" in text
+    for line in ("onnxruntime loop tokens", "onnxruntime-genai tokens"):
+        assert any(line in ln and "equal ✓" in ln for ln in text.splitlines()), text
+
+
+@pytest.mark.parametrize(
+    "out, flags, match",
+    [
+        ("m.onnx", ["--genai", "--generation"], "give one"),
+        ("m.onnx", ["--generation"], r"give OUT ending in \.pt2"),
+        ("m.bin", ["--genai"], r"writes a directory \(or a \.onnx file\)"),
+        ("m.pt2", ["--max-cache-len", "8"], "add --generation"),
+    ],
+)
+def test_export_generation_flags_that_do_not_fit(capsys, tmp_path, out, flags, match):
+    import re
+
+    code, _, err = run(capsys, "export", "tiny-llama", str(tmp_path / out), *flags)
+    assert code != 0 and re.search(match, err), err
+    assert not list(tmp_path.iterdir())

@@ -8,10 +8,7 @@ on v; linear q, k, v folded), shared by every test, of the tiny zoo Llama (hidde
 from __future__ import annotations
 
 import os
-import pathlib
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,14 +16,13 @@ from torch import nn
 
 import kha_compile as kc
 import zoo
-from helpers import kha_params, perturb
+from helpers import kha_params, perturb, run_outside_repo
 from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import ExportError, MissingExampleInputsError
-from kha_compile.exporters import aoti
+from kha_compile.exporters import aoti, aoti_steps
 from kha_compile.exporters.aoti import export_aoti, lower_kha_ops, read_aoti_metadata
 from kha_compile.exporters.metadata import METADATA_KEYS, METADATA_PREFIX, kha_metadata, parse_metadata
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 # lengths 17 and 100: more tokens than d_model (64), and neither is the example's 8
 CALLS = [(3, 17), (1, 100)]
 
@@ -93,19 +89,10 @@ def test_mlp_value_package_runs_where_kha_compile_cannot_be_imported(mlp_package
     calls = _calls()
     real = [m.bool() for _, m in calls]  # padded positions attend to nothing: compare the real tokens
     torch.save({"inputs": calls, "outputs": _eager(model, calls), "real": real}, tmp_path / "ref.pt")
-    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}  # no PYTHONPATH
-    res = subprocess.run(
-        [sys.executable, "-c", FRESH, str(path), str(tmp_path / "ref.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,  # not the repository: kha_compile is not on sys.path
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    diffs = [float(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("diff")]
+    stdout = run_outside_repo(FRESH, str(path), str(tmp_path / "ref.pt"), cwd=tmp_path)
+    diffs = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("diff")]
     assert len(diffs) == len(CALLS) and max(diffs) < 1e-4, diffs
-    assert "loaded without kha_compile" in res.stdout
+    assert "loaded without kha_compile" in stdout
 
 
 def test_mlp_value_package_keeps_the_kha_weights(mlp_package):
@@ -114,7 +101,7 @@ def test_mlp_value_package_keeps_the_kha_weights(mlp_package):
 
 
 def test_lower_kha_ops_refuses_a_kha_op_left_over(monkeypatch):
-    monkeypatch.setattr(aoti, "KHA_DECOMPOSITIONS", {})  # as if a new kha op had no formula
+    monkeypatch.setattr(aoti_steps, "KHA_DECOMPOSITIONS", {})  # as if a new kha op had no formula
     with pytest.raises(ExportError, match=r"step 'lower': kha\.mlp_value\.default left in the program"):
         lower_kha_ops(_exported_mlp_block())
 
@@ -214,19 +201,10 @@ def test_read_metadata_of_a_file_that_is_no_package(tmp_path):
         read_aoti_metadata(tmp_path / "bad.pt2")
 
 
-@pytest.mark.slow  # builds the C++ runner: 10-25 s of g++ on two cores
-def test_cpp_runner_matches_torch(mlp_package, tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
+@pytest.mark.slow  # builds the C++ runner (the aoti_runner fixture): 10-25 s of g++ on two cores
+def test_cpp_runner_matches_torch(mlp_package, aoti_runner):
     model, path = mlp_package
-    runner = tmp_path / "kha_aoti_runner"
-    build = subprocess.run(
-        ["bash", str(REPO / "examples/aoti_cpp/build.sh"), sys.executable, str(runner)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
+    runner = aoti_runner
     env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1"}  # no Python involved
     for b, s in CALLS:
         out = subprocess.run(

@@ -129,6 +129,26 @@ def test_profile_entry_wins_over_dim_ranges():
     }  # the other inputs are untouched
 
 
+# the inputs of a with-past file (export_onnx(past=True)), as onnx_summary reads them
+PAST_INPUTS = [
+    TensorInfo("input_ids", "int64", ("batch", "sequence")),
+    TensorInfo("attention_mask", "int64", ("batch", "total_sequence")),
+    TensorInfo("position_ids", "int64", ("batch", "sequence")),
+    TensorInfo("past_key_values.0.key", "float32", ("batch", 2, "past_sequence", 16)),
+    TensorInfo("past_key_values.0.value", "float32", ("batch", 2, "past_sequence", 16)),
+]
+
+
+def test_profile_of_a_with_past_file_has_the_past_axis_from_zero():
+    shapes = profile_shapes(PAST_INPUTS)
+    assert shapes["past_key_values.0.key"] == ((1, 2, 0, 16), (1, 2, 128, 16), (8, 2, 1024, 16))
+    assert shapes["attention_mask"] == ((1, 1), (1, 256), (8, 2048))  # sequence + past_sequence
+    given = {"sequence": (1, 1, 512), "past_sequence": (0, 511, 4095)}
+    assert profile_shapes(PAST_INPUTS, dim_ranges=given)["attention_mask"] == ((1, 1), (1, 512), (8, 4607))
+    named = profile_shapes(PAST_INPUTS, dim_ranges={**given, "total_sequence": (1, 64, 128)})
+    assert named["attention_mask"] == ((1, 1), (1, 64), (8, 128))  # a range given for it wins
+
+
 def test_profile_shapes_run_the_exported_model(attention_onnx):
     """Behaviour: the model runs in onnxruntime at the min, opt and max shapes of its profile."""
     import numpy as np

@@ -4,11 +4,17 @@ The format follows the output's extension: ``.onnx`` (checked against onnxruntim
 (an AOTInductor package that runs without kha_compile, checked by loading it here); any other is
 refused before the model is loaded. The output's directory is created when it does not exist, and
 the command says so (a line on stdout and an INFO log record); a path whose parent is a file is refused.
+
+Generation: ``--genai`` writes the ONNX file with a KV cache and ``genai_config.json`` into OUT (a
+directory, or a ``.onnx`` path), ``--generation`` a ``.pt2`` package with a static KV cache
+(``--max-cache-len``); both are checked by greedy tokens against transformers' ``generate``
+(onnxruntime loop, onnxruntime-genai where it is installed, the package).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import pathlib
 from typing import Any
@@ -20,6 +26,8 @@ import kha_compile as kc
 from ...analysis.inputs import example_inputs
 from ...core.errors import CommandError
 from ...exporters.aoti import AOTI_TOL, export_aoti, read_aoti_metadata
+from ...exporters.genai import token_ids
+from ...exporters.generate import generate_aoti, generate_genai, generate_onnx
 from ...exporters.onnx import export_onnx, onnx_summary
 from ..models import MODEL_HELP, export_target, kha_param_count, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
@@ -31,10 +39,24 @@ log = logging.getLogger(__name__)
 
 NAME = "export"
 FORMATS = {".onnx": "ONNX", ".pt2": "AOTInductor"}  # extension -> format of the output
+GENERATE_TOKENS = 8  # new tokens of the generation check
 
 
-def output_format(out: pathlib.Path) -> str:
-    """The format that ``out``'s extension asks for ("ONNX" or "AOTInductor"); CommandError for another."""
+def output_format(out: pathlib.Path, genai: bool = False, generation: bool = False) -> str:
+    """The format that ``out``'s extension asks for ("ONNX" or "AOTInductor"); CommandError for another.
+
+    ``--genai`` takes a directory or a .onnx path (ONNX); ``--generation`` a .pt2 path (AOTInductor).
+    """
+    if genai and generation:
+        raise CommandError("--genai (ONNX with a KV cache) and --generation (.pt2 with a static cache): give one.")
+    if genai:
+        if out.suffix not in ("", ".onnx") and not out.is_dir():
+            raise CommandError(
+                f"--genai writes a directory (or a .onnx file) with genai_config.json; got {str(out)!r}."
+            )
+        return "ONNX"
+    if generation and out.suffix != ".pt2":
+        raise CommandError(f"--generation writes an AOTInductor package: give OUT ending in .pt2; got {str(out)!r}.")
     fmt = FORMATS.get(out.suffix)
     if fmt is None:
         raise CommandError(
@@ -69,6 +91,20 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--no-fold", action="store_true", help="keep linear KHA as ops (default: folded in a copy)")
     p.add_argument("--static", action="store_true", help="fixed shapes (default: dynamic batch and sequence)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with torch")
+    p.add_argument(
+        "--genai",
+        action="store_true",
+        help="ONNX with a KV cache (past_key_values.N.key/value in, present.N.* out) and genai_config.json: OUT is "
+        "a directory (model.onnx inside) or a .onnx path; onnxruntime_genai.Model(OUT) generates",
+    )
+    p.add_argument(
+        "--generation",
+        action="store_true",
+        help="OUT.pt2 generates: prefill and one-token decode over a static KV cache inside the package",
+    )
+    p.add_argument(
+        "--max-cache-len", type=int, default=None, metavar="N", help="static cache positions of --generation"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -89,7 +125,9 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     """``kha-compile export``."""
 
     out = pathlib.Path(args.output)
-    fmt = output_format(out)
+    fmt = output_format(out, args.genai, args.generation)
+    if args.max_cache_len is not None and not args.generation:
+        raise CommandError("--max-cache-len sizes the static cache of --generation; add --generation.")
     model, name = load_with_kha(args.model, args.kha, ui)
     cfg = (
         kc.KHAConfig(v="mlp") if args.mlp else kc.KHAConfig(q="linear", k="linear", v="linear") if args.linear else None
@@ -98,12 +136,19 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         with ui.step(f"apply {cfg}"):
             kc.apply(model, cfg)
     target = export_target(model)
-    prepare_output(out, ui)
+    prepare_output(out if not args.genai or out.suffix == ".onnx" else out / "model.onnx", ui)
+    kind = " with a KV cache" if args.genai or args.generation else ""
     with ui.step(
-        f"export {type(target).__name__} to {out} ({fmt}, dynamic={not args.static}, fold={not args.no_fold})"
+        f"export {type(target).__name__} to {out} ({fmt}{kind}, dynamic={not args.static}, fold={not args.no_fold})"
     ):
-        if fmt == "ONNX":
+        if args.genai:
+            out = export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold, past=True)
+        elif fmt == "ONNX":
             export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
+        elif args.generation:  # checked below, by generated tokens
+            export_aoti(
+                target, out, fold=not args.no_fold, check=False, generation=True, max_cache_len=args.max_cache_len
+            )
         else:
             export_aoti(target, out, dynamic=not args.static, fold=not args.no_fold, check=False)  # checked below
     rows = [
@@ -112,7 +157,11 @@ def run(args: argparse.Namespace, ui: UI) -> int:
     ]
     rows += _onnx_rows(out) if fmt == "ONNX" else _aoti_rows(out)
     status = 0
-    if not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
+    if not args.no_check and (args.genai or args.generation):
+        ok, checks = _generation_rows(target, out, args.genai)
+        rows += checks
+        status = 0 if ok else 1
+    elif not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
         ex_args, ex_kwargs = example_inputs(target)
         with torch.no_grad():
             want = first_tensor(target(*ex_args, **ex_kwargs))
@@ -129,6 +178,35 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         status = 0 if ok else 1
     ui.out.print(kv_table(f"{name}: {fmt} export", rows))
     return status
+
+
+def _generation_rows(target: Any, out: pathlib.Path, genai: bool) -> tuple[bool, list[tuple[str, str]]]:
+    """Greedy tokens of the exported file(s) against transformers' ``generate`` on the example prompt."""
+    ex_args, ex_kwargs = example_inputs(target)
+    ids = ex_kwargs.get("input_ids", ex_args[0] if ex_args else None)
+    if not isinstance(ids, torch.Tensor):
+        raise CommandError("the generation check needs input_ids among the model's example inputs.")
+    ids = ids[:1]  # one prompt: generation packages hold one sequence by default
+    tokens = token_ids(target)
+    eos = tokens["eos"] or None
+    with torch.no_grad():
+        want = target.generate(
+            ids, max_new_tokens=GENERATE_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=tokens["pad"]
+        )
+    runs = {}
+    if genai:
+        runs["onnxruntime loop"] = lambda: generate_onnx(out, ids, GENERATE_TOKENS, eos_token_id=eos)
+        if importlib.util.find_spec("onnxruntime_genai") is not None:
+            runs["onnxruntime-genai"] = lambda: generate_genai(out.parent, ids, GENERATE_TOKENS)
+    else:
+        runs["package"] = lambda: generate_aoti(out, ids, GENERATE_TOKENS, eos_token_id=eos)
+    rows, ok = [("transformers generate", " ".join(map(str, want[0].tolist())))], True
+    for name, run in runs.items():
+        got = run()
+        same = got.shape == want.shape and bool((got == want).all())
+        ok &= same
+        rows.append((f"{name} tokens", f"{'equal' if same else 'differ: ' + str(got[0].tolist())} {ok_mark(same)}"))
+    return ok, rows
 
 
 def _onnx_rows(out: pathlib.Path) -> list[tuple[str, str]]:
@@ -155,6 +233,9 @@ def _aoti_rows(out: pathlib.Path) -> list[tuple[str, str]]:
         ("KHA", f"{meta.get('kha')}: {', '.join(transforms) or 'none'}; folded: {meta.get('folded')}"),
         ("sites", str(len(meta.get("sites") or []))),
     ]
+    if meta.get("cache"):
+        c = meta["cache"]
+        rows.append(("static KV cache", f"{c['max_batch']} x {c['max_cache_len']} positions, {c['num_layers']} layers"))
     for name in meta.get("input_names", []):
         axes = ranges.get(name, {})
         dyn = ", ".join(f"{a}: {lo}..{'∞' if hi is None else hi}" for a, (lo, hi) in axes.items()) or "static"
