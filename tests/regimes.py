@@ -58,12 +58,13 @@ class Regime:
     checkpoint: str | None = None  # "hf": gradient_checkpointing_enable(); "torch": torch.utils.checkpoint per block
     compile: str | None = None  # torch.compile backend of the training forward
     low_precision: bool = False  # computes in bf16/fp16 without autocast (FSDP2 MixedPrecisionPolicy)
+    cast: torch.dtype | None = None  # the whole model cast to this dtype before training (model.to(dtype))
     steps: int = STEPS
 
     @property
     def rounds(self) -> bool:
         """True when the run computes in 16 bits: its bound is measured, not fp32's."""
-        return self.amp is not None or self.low_precision
+        return self.amp is not None or self.low_precision or self.cast is not None
 
 
 @dataclasses.dataclass
@@ -138,6 +139,8 @@ def train(
     ``wrap``: makes the module that trains (``DistributedDataParallel(model)``, or ``fully_shard``,
     which returns the model itself); evaluation and generation use ``model``.
     """
+    if regime.cast is not None:
+        model.to(regime.cast)
     forward_model = wrap(model) if wrap is not None else model
     device = next(model.parameters()).device
     data = [b.to(device) for b in (data or batches(regime.steps * regime.accum))]
@@ -158,7 +161,7 @@ def train(
                 for part in ids.chunk(split):
                     with _amp(model, regime.amp):
                         loss = forward(input_ids=part, labels=part).loss
-                    parts.append(float(loss))
+                    parts.append(float(loss.detach()))
                     scaled = loss / (regime.accum * split)
                     (scaler.scale(scaled) if scaler else scaled).backward()
                 losses.append(sum(parts) / len(parts))

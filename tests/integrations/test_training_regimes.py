@@ -35,6 +35,7 @@ EAGER = (
     Regime("checkpointing-torch", checkpoint="torch"),
     Regime("autocast-bf16", amp=torch.bfloat16),
     Regime("autocast-fp16-scaler", amp=torch.float16, scaler=True),
+    Regime("bf16-weights", cast=torch.bfloat16),  # model.to(torch.bfloat16), no autocast
 )
 # each kind with each backend once, each architecture with both kinds and both backends
 COMPILED = (

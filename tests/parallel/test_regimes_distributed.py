@@ -20,13 +20,21 @@ def regimes_run():
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_ddp_equals_kha_written_by_hand(regimes_run, arch, kind):
-    expect(regimes_run, f"OK ddp {arch} {kind} ", 2)
+    expect(regimes_run, f"OK ddp {arch} {kind} equals hand-written", 2)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fsdp2_mixed_precision_equals_kha_written_by_hand(regimes_run, arch, kind):
-    expect(regimes_run, f"OK fsdp2-bf16 {arch} {kind} ", 2)
+    expect(regimes_run, f"OK fsdp2-bf16 {arch} {kind} equals hand-written", 2)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2-bf16"])
+def test_identity_at_init_is_exact(regimes_run, name, arch, kind):
+    """Right after apply, wrapped the same way: logits and every original weight's gradient equal exactly."""
+    expect(regimes_run, f"OK {name} {arch} {kind} identity at init", 2)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2-bf16"])
