@@ -41,14 +41,8 @@ def kind_choice(allowed: tuple[str, ...]) -> Callable[[str], str]:
 
 def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Add the ``inspect`` and ``apply`` subcommands to ``sub``."""
-    p = sub.add_parser(
-        "inspect",
-        parents=[common],
-        allow_abbrev=False,
-        help="list the attention sites of a model",
-        description="List the attention sites of a model and the KHA they carry; for a saved model directory, "
-        "also whether vLLM can serve it and how.",
-    )
+    what = "list the attention sites of a model (of a saved directory: also whether and how vLLM serves it)"
+    p = sub.add_parser("inspect", parents=[common], allow_abbrev=False, help=what)
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--kha", metavar="DIR", help="load this KHA checkpoint first")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

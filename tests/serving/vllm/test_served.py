@@ -113,7 +113,10 @@ def test_a_config_that_names_other_kinds_than_the_tensors(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"says v='linear' .* holds \['down', 'gate', 'up'\]"):
         read_served(d)
     write_config_entry(d, kha_compile=dict(entry, q=None))
-    with pytest.raises(CheckpointError, match=r"\(roles \['k', 'v'\]\), but model.layers.0.self_attn holds KHA tensors for roles \['k', 'q', 'v'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"\(roles \['k', 'v'\]\), but model.layers.0.self_attn holds KHA tensors for roles \['k', 'q', 'v'\]",
+    ):
         read_served(d)
 
 

