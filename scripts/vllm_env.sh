@@ -74,8 +74,8 @@ if [ ! -f "$STAMP" ]; then
     if [ ! -f "$STAMP" ]; then  # not built meanwhile by the process we waited for
         rm -rf "$ENV" "$FAILED"
         log="$CACHE/vllm-$HASH.log"
-        echo "Building the vLLM environment in $ENV (first use: downloads about 500 MB and takes" \
-            "about 3 min in a fresh clone on 2 cores; later runs reuse it). Log: $log" >&2
+        echo "Building the vLLM environment in $ENV (first use: downloads about 1 GB and takes 4-8 min" \
+            "on 2 cores; later runs reuse it). Log: $log" >&2
         start=$SECONDS
         if ! {
             python3 -m venv "$ENV" \

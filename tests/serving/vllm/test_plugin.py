@@ -129,6 +129,12 @@ def _config_says_linear(directory: pathlib.Path) -> None:
     write_config_entry(directory, kha_compile=dict(entry, v="linear"))
 
 
+def _two_kha_values(directory: pathlib.Path) -> None:
+    """kha_model.safetensors (what kha_compile reads) no longer equal to the KHA in model.safetensors (what vLLM feeds)."""
+    path = directory / "kha_model.safetensors"
+    save_file({k: v + 0.01 for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "kha_compile"})
+
+
 def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
     """TP 1: every architecture and kind, both savers, a broken plugin, and every refusal, in one vLLM process."""
     nohint = models.derived(
@@ -147,6 +153,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
         _refuse("head-dim-16", models.dir("llama-hd16")),
         _refuse("no-kha-tensors", models.derived("llama-notensors", "llama-mlp", _without_kha_tensors)),
         _refuse("config-disagrees", models.derived("llama-disagree", "llama-mlp", _config_says_linear)),
+        _refuse("two-kha-values", models.derived("llama-two", "llama-mlp", _two_kha_values)),
         _refuse("old-vllm", models.dir("llama-mlp"), old_vllm=True),
         _refuse("other-quantization", models.dir("llama-mlp"), llm={"quantization": "fp8"}),
         *(
@@ -179,6 +186,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
     _refused(results, "head-dim-16", "ServingError", "head size 16", "32, 64")
     _refused(results, "no-kha-tensors", "CheckpointError", "no '.kha.' tensors")
     _refused(results, "config-disagrees", "CheckpointError", "disagree", "v='linear'")
+    _refused(results, "two-kha-values", "CheckpointError", "two different values", "come from different saves")
     _refused(results, "old-vllm", "ServingError", "too old", "0.31.0", ">= 0.32")
     _refused(results, "other-quantization", "ServingError", "quantization='fp8'")
 
