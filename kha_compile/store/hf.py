@@ -17,7 +17,10 @@ one warning that prints a value from ``config.json``: an unknown ``quantization_
 none; its ``quant_method`` is a sentence naming kha_compile and ``kc.load_pretrained``. It is
 dropped with the ``kha_compile`` entry, and never replaces a real quantization config. Tools that
 refuse unknown quantization methods (serving engines) then refuse such a directory instead of
-serving it without its transforms; fold first (``kc.fold``) to ship a vanilla model.
+serving it without its transforms; fold first (``kc.fold``) to ship a vanilla model. vLLM with
+kha_compile's plugin installed reads the hint as its quantization method and serves the directory
+with its KHA (:mod:`kha_compile.serving.vllm`). :func:`record_in_dir` writes the same two entries
+into a transformers directory that ``kc.save_pretrained`` saves KHA into.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "is_hf_dir",
     "read_hf",
     "record_config",
+    "record_in_dir",
     "records_kha",
     "stored_kha_keys",
 ]
@@ -57,7 +61,8 @@ LOAD_HINT = {
         "kha_compile (not a quantization method): this checkpoint holds trained KHA (knocking-heads attention) "
         "transforms that transformers alone does not load, so the loaded model computes something other than "
         "the trained one. Load them with `import kha_compile as kc; kc.load_pretrained(model, directory)`, "
-        "directory being the one just loaded. Do not delete this entry; to ship a vanilla model, "
+        "directory being the one just loaded. To serve it with vLLM, install kha_compile's vLLM plugin next to "
+        "vLLM (pip install 'kha-compile[vllm]'). Do not delete this entry; to ship a vanilla model, "
         "kc.fold(model) before save_pretrained"
     ),
 }
@@ -97,6 +102,43 @@ def record_config(model: nn.Module) -> None:
         delattr(cfg, CONFIG_KEY)
     if _is_hint(hint):
         delattr(cfg, HINT_KEY)
+
+
+def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
+    """Record KHA in the transformers ``config.json`` of ``directory``, as ``model.save_pretrained`` would.
+
+    Sets its ``kha_compile`` entry to ``entry`` and its ``quantization_config`` to :data:`LOAD_HINT`
+    (a real quantization config stays, with a warning), so loaders that read config.json (transformers'
+    warning, vLLM and its plugin) know that the directory holds KHA. Returns False, changing nothing,
+    when ``directory`` holds no transformers config.json.
+
+    Example::
+
+        record_in_dir(pathlib.Path("llama_dir"), {"version": 3, "q": None, "k": None, "v": "mlp"})
+    """
+    path = directory / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(data, dict) or "model_type" not in data:
+        return False
+    hint = data.get(HINT_KEY)
+    if data.get(CONFIG_KEY) == entry and hint == LOAD_HINT:
+        return True  # written by model.save_pretrained of this model: nothing to add
+    data[CONFIG_KEY] = dict(entry)
+    if hint is None or _is_hint(hint):
+        data[HINT_KEY] = dict(LOAD_HINT)
+    else:
+        log.warning(
+            "%s has a quantization config of its own (%s); its KHA is recorded, but loaders that read "
+            "quantization_config will not see it",
+            path,
+            hint.get("quant_method") if isinstance(hint, dict) else hint,
+        )
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    log.info("recorded KHA in %s", path)
+    return True
 
 
 def _is_hint(value: object) -> bool:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import kha_compile as kc
 
 from ...core.errors import CommandError
+from ...serving.vllm import VLLMAdvice, vllm_advice
 from ..models import MODEL_HELP, config_from, kha_param_count, load_with_kha, recorded_kha
 from ..ui import UI, report_table
 
@@ -38,7 +41,8 @@ def kind_choice(allowed: tuple[str, ...]) -> Callable[[str], str]:
 
 def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Add the ``inspect`` and ``apply`` subcommands to ``sub``."""
-    p = sub.add_parser("inspect", parents=[common], allow_abbrev=False, help="list the attention sites of a model")
+    what = "list the attention sites of a model (of a saved directory: also whether and how vLLM serves it)"
+    p = sub.add_parser("inspect", parents=[common], allow_abbrev=False, help=what)
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--kha", metavar="DIR", help="load this KHA checkpoint first")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -70,17 +74,31 @@ def run_inspect(args: argparse.Namespace, ui: UI) -> int:
     model, name = load_with_kha(args.model, args.kha, ui)
     with ui.step("trace and match"):
         report = kc.inspect(model)
+    advice = _serving(args.model)
     if args.json:
-        ui.out.print(json.dumps(report.to_dict(), indent=2), soft_wrap=True, markup=False, highlight=False)
-    else:
-        ui.out.print(
-            report_table(
-                report,
-                title=f"{name} ({report.model}): {len(report.matched)} attention "
-                f"sites matched, {len(report.skipped)} skipped",
-            )
+        data = report.to_dict()
+        if advice is not None:
+            data["vllm"] = dataclasses.asdict(advice)
+        ui.out.print(json.dumps(data, indent=2), soft_wrap=True, markup=False, highlight=False)
+        return 0
+    ui.out.print(
+        report_table(
+            report,
+            title=f"{name} ({report.model}): {len(report.matched)} attention "
+            f"sites matched, {len(report.skipped)} skipped",
         )
+    )
+    if advice is not None:
+        ui.out.print(f"serving in vLLM: {'yes' if advice.servable else 'no'}", markup=False)
+        for line in advice.lines:
+            ui.out.print(f"  - {line}", markup=False)
     return 0
+
+
+def _serving(model: str) -> VLLMAdvice | None:
+    """Whether vLLM can serve MODEL, when it is a saved transformers directory (config.json)."""
+    path = pathlib.Path(model)
+    return vllm_advice(path) if (path / "config.json").is_file() else None
 
 
 def run_apply(args: argparse.Namespace, ui: UI) -> int:
