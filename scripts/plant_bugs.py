@@ -64,24 +64,24 @@ BUGS: list[Bug] = [
     Bug(
         "fold_t_not_transposed",
         "kha_compile/model/rows.py",
-        'torch.einsum("jk,hji->hki", t32,',
-        'torch.einsum("kj,hji->hki", t32,',
+        "w = torch.bmm(t32.t().expand(H, Dh, Dh), w.reshape(H, Dh, -1)).reshape(w.shape)",
+        "w = torch.bmm(t32.expand(H, Dh, Dh), w.reshape(H, Dh, -1)).reshape(w.shape)",
         "fold_rows folds W' = T W instead of T^T W into (out, in) weights (nn.Linear)",
         {"fold": FOLD, "backend fold/deploy": BACKEND_FOLD, "strategy": STRATEGY},
     ),
     Bug(
         "fold_t_not_transposed_conv1d",
         "kha_compile/model/rows.py",
-        "(w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32)",
-        "(w_role.reshape(w.shape[0], slot.num_heads, slot.head_dim) @ t32.t())",
+        "w_new = (w.index_select(1, idx).reshape(w.shape[0], H, Dh) @ t32)",
+        "w_new = (w.index_select(1, idx).reshape(w.shape[0], H, Dh) @ t32.t())",
         "fold_rows folds W T^T instead of W T into (in, out) weights (GPT-2's Conv1D)",
         {"fold": FOLD, "backend fold/deploy": BACKEND_FOLD},
     ),
     Bug(
         "fold_bias_untouched",
         "kha_compile/model/rows.py",
-        "b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim) @ t32",
-        "b_new = b32.index_select(0, idx).reshape(slot.num_heads, slot.head_dim)",
+        "b_new = (b_role.reshape(H, Dh) @ t32).reshape(-1)",
+        "b_new = b_role.reshape(H, Dh).reshape(-1)",
         "fold_rows leaves the bias as it was (b instead of b T)",
         {"fold": FOLD, "backend fold/deploy": BACKEND_FOLD},
     ),
@@ -130,15 +130,15 @@ BUGS: list[Bug] = [
     Bug(
         "mlp_forward_down_transposed",
         "kha_compile/ops/mlp_value.py",
-        "return (2.0 * (v @ w_up) * torch.sigmoid(v @ w_gate)) @ w_down",
-        "return (2.0 * (v @ w_up) * torch.sigmoid(v @ w_gate)) @ w_down.t()",
+        "return ((v @ w_up) * (2.0 * torch.sigmoid(v @ w_gate))) @ w_down",
+        "return ((v @ w_up) * (2.0 * torch.sigmoid(v @ w_gate))) @ w_down.t()",
         "the MLP-value forward multiplies by W_down^T (exact at identity init)",
         {"apply (identity, wired)": APPLY, "op": OPS},
     ),
     Bug(
         "stale_fold_cache",
         "kha_compile/model/carrier.py",
-        "        with swapped_params(self, self.kha_fold(folded, detach=False)):",
+        "        params = self.kha_fold(folded, detach=False)\n",
         "        if torch.is_grad_enabled():\n"
         "            params = self.kha_fold(folded, detach=False)\n"
         "        else:  # planted: a no_grad cache of the fold keyed on the version counters\n"
@@ -146,8 +146,7 @@ BUGS: list[Bug] = [
         '            cached = self.__dict__.get("_kha_planted_cache")\n'
         "            if cached is None or cached[0] != key:\n"
         '                cached = self.__dict__["_kha_planted_cache"] = (key, self.kha_fold(folded))\n'
-        "            params = cached[1]\n"
-        "        with swapped_params(self, params):",
+        "            params = cached[1]\n",
         "weight-side inference caches the fold keyed on param._version (fused optimizers do not bump it)",
         {"weight changes": WEIGHT_CHANGES, "Trainer eval": TRAINER, "strategy": STRATEGY},
     ),
@@ -162,8 +161,8 @@ BUGS: list[Bug] = [
     Bug(
         "weight_side_detached",
         "kha_compile/model/carrier.py",
-        "        with swapped_params(self, self.kha_fold(folded, detach=False)):",
-        "        with swapped_params(self, self.kha_fold(folded, detach=True)):",
+        "        params = self.kha_fold(folded, detach=False)\n",
+        "        params = self.kha_fold(folded, detach=True)\n",
         "weight-side training folds detached: W and T get no gradient through the fold",
         {"strategy": STRATEGY, "model gradients (apply, wired)": APPLY},
     ),

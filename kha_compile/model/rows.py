@@ -51,11 +51,9 @@ def fold_rows(
     b = None
     if bias is not None:
         b32 = _float32(keep(bias))
-        if idx is None:
-            b = (b32.reshape(H, Dh) @ t32).reshape(-1)
-        else:
-            b_new = b32.index_select(0, idx).reshape(H, Dh) @ t32
-            b = b32.index_copy(0, idx, b_new.reshape(-1))
+        b_role = b32 if idx is None else b32.index_select(0, idx)  # (H*Dh,)
+        b_new = (b_role.reshape(H, Dh) @ t32).reshape(-1)  # b[R_h] <- b[R_h] T
+        b = b_new if idx is None else b32.index_copy(0, idx, b_new)
         b = b if b.dtype == bias.dtype else b.to(bias.dtype)
     return (w if w.dtype == weight.dtype else w.to(weight.dtype)), b
 

@@ -140,7 +140,7 @@ def test_kha_on_a_fused_projection_is_not_served(saved, tmp_path):
 
 
 def test_an_architecture_the_plugin_does_not_serve_is_named_with_the_ones_it_does(saved):
-    with pytest.raises(ServingError) as err:
+    with pytest.raises(ServingError, match="Olmo2ForCausalLM") as err:
         check_servable(read_served(saved["olmo2"][0]))
     msg = str(err.value)
     assert "'Olmo2ForCausalLM'" in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES)
