@@ -309,15 +309,18 @@ def _mha_forward(mha: nn.MultiheadAttention, split: Split, fns: dict[str, Fn]) -
 class Reference:
     """The untouched model with KHA_SPEC.md's transforms applied at its projection outputs by hooks.
 
-    ``arch``: a key of :data:`LAYOUTS` (default: ``model.config.model_type``); ``cfg``: where the head
-    counts come from (default: ``model.config``; a dict for models without a transformers config).
+    ``arch``: a key of :data:`LAYOUTS` (default: ``model.config.model_type``), or a layout function of
+    its own (``(model, cfg) -> [Proj]``); ``cfg``: where the head counts come from (default:
+    ``model.config``; a dict for models without a transformers config).
     """
 
-    def __init__(self, untouched: nn.Module, arch: str | None = None, cfg: Any = None) -> None:
+    def __init__(
+        self, untouched: nn.Module, arch: str | Callable[[nn.Module, Any], list[Proj]] | None = None, cfg: Any = None
+    ) -> None:
         self.model = untouched
         cfg = cfg if cfg is not None else getattr(untouched, "config", None)
         arch = arch or cfg.model_type
-        self.projs = LAYOUTS[arch](untouched, cfg)
+        self.projs = arch(untouched, cfg) if callable(arch) else LAYOUTS[arch](untouched, cfg)
         assert self.projs, f"no q/k/v projection of the {arch} layout found in {type(untouched).__name__}"
         self.kha: dict[str, dict[str, Tensor]] = {}  # "<path>.kha.<role>" -> {param: tensor}
 

@@ -1,4 +1,5 @@
-"""One case of the transformers sweep: a tiny model type, a KHA config, and the checks.
+"""One case of a sweep: a tiny model (a transformers model type, a timm architecture, a diffusers
+class), a KHA config, and the checks.
 
 :func:`run_case` builds the type (:mod:`sweep_configs`), counts its attention calls in one plain
 forward independently of kha_compile (:class:`AttentionCounter`), then runs ``kc.apply`` with
@@ -8,7 +9,11 @@ example inputs kha_compile builds from the config, and checks:
 * every counted attention call is a site of the report, matched or skipped with a reason
   (``len(report.sites) == count``);
 * logits bit-identical at init; perturbing every ``.kha.`` parameter moves them;
-* for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter.
+* for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter;
+* where the caller names a standard layout, the perturbed output matches a per-head reference
+  (:class:`reference.Reference`: KHA written by hand with hooks on an untouched copy).
+
+:func:`run_built` runs the same checks on any model the caller builds (the timm and diffusers sweeps).
 
 Statuses: ``pass``; ``skipped`` (apply raised ``NoAttentionFoundError`` and every counted call is
 a site skipped with its reason: KHA declined, and said why); ``no_attention`` (no attention call
@@ -24,8 +29,10 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,9 +42,10 @@ import kha_compile as kc
 from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import NoAttentionFoundError
 from kha_compile.passes.apply import analyse
+from reference import Reference, rel_err
 from sweep_configs import build, model_types
 
-__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "run_case", "run_type"]
+__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "logits", "run_built", "run_case", "run_type"]
 
 # the chunk the test suite runs (tests/integrations/test_transformers_sweep.py): llama for the sweep's
 # own path (default config shrunk, attention counted), then one type per form that once failed. The
@@ -60,6 +68,7 @@ KHA_CONFIGS: dict[str, dict[str, str]] = {
 FOLDABLE = {"linear_qkv"}
 PERTURB_SEED, PERTURB_SCALE = 1234, 0.1
 FOLD_ATOL, MOVED_ATOL = 1e-4, 1e-6
+REFERENCE_RTOL = 1e-4  # max |KHA model - per-head reference| / max |reference|, fp32
 
 _F = torch.nn.functional
 _FUSED = {_F.scaled_dot_product_attention, _F.multi_head_attention_forward}
@@ -199,9 +208,34 @@ def run_case(model_type: str, cfg_name: str) -> dict:
 
 def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
     """One record per config: the type built and counted once, each config applied to a copy."""
-    t0 = time.perf_counter()
+
+    def make() -> tuple[Any, tuple, dict]:
+        model, base["attn_implementation"] = build(model_type)
+        return (model, *example_inputs(model))
+
     base: dict[str, Any] = {"model_type": model_type, "cls": model_types()[model_type][0]}
-    built = _prepare(model_type, base)
+    return run_built(make, configs, base)
+
+
+def run_built(
+    make: Callable[[], tuple[Any, tuple, dict]],
+    configs: tuple[str, ...],
+    base: dict[str, Any],
+    *,
+    output: Callable[[Any], torch.Tensor] = logits,
+    pass_inputs: bool = False,
+    layout: Callable[[Any], Callable | None] | None = None,
+) -> list[dict]:
+    """The checks of every config on the model ``make()`` returns: ``(model, args, kwargs)``.
+
+    ``output`` picks the tensor compared from a forward's output; ``pass_inputs`` gives apply the
+    inputs (otherwise apply builds its own from the model's config, as a transformers user's call
+    does); ``layout(untouched model)`` is a layout function for :class:`reference.Reference` where
+    the model's attention has a standard layout (``None`` otherwise), and each perturbed forward is
+    then compared with the per-head reference it computes.
+    """
+    t0 = time.perf_counter()
+    built = _prepare(make, base, output)
     out = []
     for i, cfg_name in enumerate(configs):
         rec = {**base, "config": cfg_name}
@@ -211,27 +245,40 @@ def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> 
                 try:
                     model = copy.deepcopy(model)
                 except Exception:  # a model that does not deep-copy: build it again
-                    again = _prepare(model_type, {})
+                    again = _prepare(make, {}, output)
                     model = again[0] if again is not None else model
-            rec.update(_check(model, *built[1:], cfg_name, rec))
+            case = _Case(*built[1:], output=output, pass_inputs=pass_inputs, layout=layout)
+            rec.update(_check(model, case, cfg_name, rec))
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         out.append(rec)
     return out
 
 
-def _prepare(model_type: str, rec: dict) -> tuple | None:
-    """(model, args, kwargs, reference logits, attention count), or None (``rec`` says why)."""
+@dataclasses.dataclass
+class _Case:
+    """What every config of one model is checked with: its inputs, plain output and attention count."""
+
+    args: tuple
+    kwargs: dict
+    ref: torch.Tensor
+    count: int
+    output: Callable[[Any], torch.Tensor] = logits
+    pass_inputs: bool = False
+    layout: Callable[[Any], Callable | None] | None = None
+
+
+def _prepare(make: Callable[[], tuple[Any, tuple, dict]], rec: dict, output: Callable) -> tuple | None:
+    """(model, args, kwargs, reference output, attention count), or None (``rec`` says why)."""
     try:
-        model, rec["attn_implementation"] = build(model_type)
-        args, kwargs = example_inputs(model)
-    except Exception as exc:  # transformers cannot build it this way (or kha_compile builds no inputs)
+        model, args, kwargs = make()
+    except Exception as exc:  # the library cannot build it this way (or kha_compile builds no inputs)
         rec.update(status="not_counted", stage="build", error=f"{type(exc).__name__}: {_first_line(exc)}")
         return None
     counter = AttentionCounter(model)
     try:
         with torch.no_grad(), counter:
-            ref = logits(model(*args, **kwargs)).clone()
+            ref = output(model(*args, **kwargs)).clone()
     except Exception as exc:
         rec.update(status="not_counted", stage="forward", error=f"{type(exc).__name__}: {_first_line(exc)}")
         return None
@@ -239,16 +286,21 @@ def _prepare(model_type: str, rec: dict) -> tuple | None:
     return model, args, kwargs, ref, counter.count
 
 
-def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int, cfg_name: str, rec: dict) -> dict:
+def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
+    args, kwargs, ref, count = case.args, case.kwargs, case.ref, case.count
+    inputs = (args, kwargs) if case.pass_inputs else ((), None)
+
     def call() -> torch.Tensor:
         with torch.no_grad():
-            return logits(model(*args, **kwargs)).clone()
+            return case.output(model(*args, **kwargs)).clone()
 
+    layout = case.layout(model) if case.layout is not None else None
+    untouched = copy.deepcopy(model) if layout is not None else None
     try:
-        kc.apply(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]))
+        kc.apply(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), *inputs)
     except NoAttentionFoundError as exc:
         try:  # the report apply made (with the config: K = V, say, is skipped for it), nothing changed
-            report, _ = analyse(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), (), None)
+            report, _ = analyse(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), *inputs)
         except Exception as inner:
             return _fail(rec, "analysis after a refused apply fails", inner)
         rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
@@ -262,7 +314,7 @@ def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int,
     except Exception as exc:
         return _fail(rec, "KHAError on apply" if isinstance(exc, kc.KHAError) else "raw exception on apply", exc)
     try:
-        report = kc.inspect(model)
+        report = kc.inspect(model, *inputs)
         out0 = call()
     except Exception as exc:
         return _fail(rec, "inspect or forward after apply fails", exc)
@@ -284,6 +336,15 @@ def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int,
         return _fail(rec, "forward after perturb fails", exc)
     if not _max_diff(out1, ref) > MOVED_ATOL:
         return _fail(rec, "perturb has no effect")
+    if untouched is not None:
+        try:
+            expect = KHA_CONFIGS[cfg_name] if not report.skipped else None  # every projection, every role
+            reference = Reference(untouched, layout).load(model.state_dict(), expect=expect)
+            rec["reference_rel_err"] = rel_err(case.output(reference(*args, **kwargs)), out1)
+        except Exception as exc:
+            return _fail(rec, "per-head reference fails", exc)
+        if not rec["reference_rel_err"] <= REFERENCE_RTOL:
+            return _fail(rec, "per-head reference mismatch")
     if cfg_name in FOLDABLE:
         try:
             kc.fold(model)
