@@ -214,9 +214,11 @@ def main(sweep: Sweep, argv: list[str] | None = None, doc: str | None = None) ->
     data: dict = {"meta": {}, "cases": {}}
     if a.json and Path(a.json).is_file():
         data = json.loads(Path(a.json).read_text())
-    seconds = data["meta"].get("seconds", 0.0)
-    data["meta"] = {**sweep.meta(), "date": time.strftime("%Y-%m-%d"), "seconds": seconds}
-    names = [t for t in a.types.split(",") if t] or sweep.names()
+    names = [t for t in a.types.split(",") if t] or data["meta"].get("names") or sweep.names()
+    if not a.types:
+        data["meta"]["names"] = names  # a resumed run keeps its list of models
+    data["meta"] = {**data["meta"], **sweep.meta(), "date": time.strftime("%Y-%m-%d")}
+    data["meta"].setdefault("seconds", 0.0)
     todo = [t for t in names if not all(f"{t}/{cfg}" in data["cases"] for cfg in CONFIGS)]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns) as progress:

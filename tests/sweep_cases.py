@@ -101,7 +101,8 @@ class AttentionCounter(TorchFunctionMode):
     tensor of rank >= 3 whose values descend, through masks, scaling, soft-capping and views, from a
     product of two tensors of rank >= 3 where at least one is an activation and neither is a
     parameter itself (``q @ k^T``; a learned query expanded over the batch counts, ``x @ W`` does
-    not; a Linear or conv on the way clears the mark). A TorchFunctionMode sees every torch call
+    not; a Linear or conv on the way clears the mark, unless it keeps the scores' shape: talking
+    heads mix the heads axis with a Linear). A TorchFunctionMode sees every torch call
     however it is spelled; the inner calls of a fused op are not seen.
     """
 
@@ -147,8 +148,10 @@ class AttentionCounter(TorchFunctionMode):
             mark = self._score_product(tensors) or (
                 not any(id(t) in self._params for t in tensors) and any(id(t) in self._marked for t in tensors)
             )
-        elif func in _CLEAR:
-            mark = False
+        elif func in _CLEAR:  # a projection clears the mark, but not a mixing of the heads axis that keeps
+            # the scores' shape (talking heads: a Linear over (B, Sq, Sk, H) before the softmax)
+            shapes = {tuple(t.shape) for t in tensors if id(t) in self._marked}
+            mark = isinstance(out, torch.Tensor) and tuple(out.shape) in shapes
         else:
             mark = any(id(t) in self._marked for t in tensors)
         static = all(id(t) in self._static for t in tensors)

@@ -3,8 +3,8 @@
 timm builds each architecture through ``build_model_with_cfg(model_cls, variant, pretrained, **kwargs)``;
 :func:`build` catches that call and shrinks the architecture's own arguments before the model is made
 (:func:`shrink`: every depth to at most 2 blocks, or 1 block per stage; widths, heads, patch and image
-sizes stay as the architecture has them, so every layout is the real one), with random weights, fp32,
-eval. :func:`variants` picks, for each model class, one architecture per distinct set of module types
+sizes stay as the architecture has them, so every layout is the real one), with random weights (zero
+inits made non-zero, :func:`_randomize_zeros`), fp32, eval. :func:`variants` picks, for each model class, one architecture per distinct set of module types
 (the smallest), so the sweep covers every form a family has without building its 1,371 names.
 
 timm imports ``torchvision`` at import time (``FrozenBatchNorm2d`` and its data transforms), and the
@@ -225,8 +225,24 @@ def build(name: str, device: str | torch.device | None = None) -> tuple[nn.Modul
             if not tiny:
                 raise
             continue
+        _randomize_zeros(model)
         return model.float().eval(), "depths shrunk" if tiny else "as defined"
     raise AssertionError("unreachable")
+
+
+def _randomize_zeros(model: nn.Module) -> None:
+    """Weights that init leaves at zero, as after training: a norm's zero scale (``zero_init_last``: the
+    residual branch starts switched off) gets ones, a zero matrix small random values, so every
+    attention reaches the output and a perturbed KHA weight shows in it."""
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta or not p.is_floating_point() or bool(p.any()):
+                continue
+            if p.dim() >= 2:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("weight"):
+                p.fill_(1.0)
 
 
 def example_args(model: nn.Module) -> tuple[torch.Tensor]:
