@@ -75,7 +75,7 @@ class Proj:
     roles: tuple[str, ...]
     split: Split
     mha: bool = False  # an nn.MultiheadAttention: its in-projection is a parameter, not a module
-    kha: str = ""  # where its KHA tensors live, when another projection's (joint streams share one per role)
+    kha: str = ""  # where its KHA tensors live when it has none of its own (joint streams share one per role)
 
 
 def _heads(n: int, dh: int, role: str) -> Split:
@@ -337,10 +337,14 @@ class Reference:
         used = set()
         for proj in self.projs:
             for role in proj.roles:
-                prefix = f"{proj.kha or proj.path}.kha.{role}."
-                params = {k[len(prefix) :]: v for k, v in kha.items() if k.startswith(prefix)}
+                params: dict[str, Tensor] = {}
+                for home in (proj.path, proj.kha):  # its own tensors, else those of the projection it shares
+                    prefix = f"{home}.kha.{role}."
+                    params = {k[len(prefix) :]: v for k, v in kha.items() if home and k.startswith(prefix)}
+                    if params:
+                        break
                 if params:
-                    self.kha[f"{proj.kha or proj.path}.kha.{role}"] = {
+                    self.kha[f"{proj.path}.kha.{role}"] = {
                         p: v.detach().clone().requires_grad_(v.is_floating_point()) for p, v in params.items()
                     }
                     used.update(prefix + p for p in params)
@@ -355,7 +359,7 @@ class Reference:
     def _fns(self, proj: Proj) -> dict[str, Fn]:
         fns: dict[str, Fn] = dict.fromkeys(ROLES, _identity)
         for role in proj.roles:
-            params = self.kha.get(f"{proj.kha or proj.path}.kha.{role}")
+            params = self.kha.get(f"{proj.path}.kha.{role}")
             if params:
                 fns[role] = spec_transform(params)
         return fns

@@ -119,12 +119,13 @@ def _layout(model: nn.Module, cfg: Any) -> list[Proj]:
     projs = []
     for path, m in _attention_modules(model):
         dh = m.to_q.out_features // m.heads
+        pre = f"{path}." if path else ""
         for attr, role in _PROJS:
             proj = getattr(m, attr, None)
-            if isinstance(proj, nn.Linear):
-                own = f"{path}.to_{role}"  # the joint stream's heads share the site's transform per role
+            if isinstance(proj, nn.Linear):  # the two streams' heads share the site's transform per role
+                other = f"add_{role}_proj" if attr.startswith("to_") else f"to_{role}"
                 split = _heads(proj.out_features // dh, dh, role)
-                projs.append(Proj(f"{path}.{attr}", (role,), split, kha="" if attr.startswith("to_") else own))
+                projs.append(Proj(f"{pre}{attr}", (role,), split, kha=f"{pre}{other}"))
     return projs
 
 
