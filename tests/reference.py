@@ -390,6 +390,13 @@ class Reference:
         with torch.enable_grad(), self._hooked():
             return self.model(*args, **kwargs)
 
+    def no_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """The reference forward without autograd, for kernels with no backward here (flex attention on
+        CPU); not for nn.MultiheadAttention, whose no-grad fast path skips the hooks."""
+        assert not any(p.mha for p in self.projs), "nn.MultiheadAttention's no-grad fast path skips the hooks"
+        with torch.no_grad(), self._hooked():
+            return self.model(*args, **kwargs)
+
     def params(self) -> dict[str, Tensor]:
         """Every tensor the reference computes with, under the KHA model's parameter names."""
         out = dict(self.model.named_parameters())

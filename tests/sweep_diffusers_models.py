@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from reference import Proj, _heads
-from sweep_cases import KHA_CONFIGS, run_built
+from sweep_cases import KHA_CONFIGS, run_built, standard_layout
 from sweep_configs import _randomize_zeros
 from sweep_diffusers_specs import SPECS
 
@@ -129,10 +129,9 @@ def _layout(model: nn.Module, cfg: Any) -> list[Proj]:
     return projs
 
 
-def layout(model: nn.Module, count: int | None = None) -> Any:
+def layout(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The reference layout where every attention call is an Attention module's (else None)."""
-    found = _attention_modules(model)
-    return _layout if found and (count is None or len(found) == count) else None
+    return standard_layout(model, args, kwargs, [path for path, _ in _attention_modules(model)], _layout)
 
 
 def run_class(name: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
@@ -144,7 +143,4 @@ def run_class(name: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[
         base["params"] = sum(p.numel() for p in model.parameters())
         return model, (), kwargs
 
-    def standard(model: nn.Module) -> Any:
-        return layout(model, base.get("attn_count"))
-
-    return run_built(make, configs, base, output=output, pass_inputs=True, layout=standard)
+    return run_built(make, configs, base, output=output, pass_inputs=True, layout=layout)

@@ -202,8 +202,8 @@ def run_processor(name: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> l
         base["cls"] = f"{type(attn).__name__} ({base['setup']})"
         return attn, (), kwargs
 
-    def standard(model: nn.Module) -> Any:
-        return _layout if base.get("attn_count") == 1 and type(model.processor).__name__ in _STANDARD else None
+    def standard(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return _layout if base.get("attn_count") and type(model.processor).__name__ in _STANDARD else None
 
     return run_built(make, configs, base, output=output, pass_inputs=True, layout=standard)
 

@@ -5,7 +5,8 @@ timm builds each architecture through ``build_model_with_cfg(model_cls, variant,
 (:func:`shrink`: every depth to at most 2 blocks, or 1 block per stage; widths, heads, patch and image
 sizes stay as the architecture has them, so every layout is the real one), with random weights (zero
 inits made non-zero, :func:`_randomize_zeros`), fp32, eval. :func:`variants` picks, for each model class, one architecture per distinct set of module types
-(the smallest), so the sweep covers every form a family has without building its 1,371 names.
+(the smallest; one per class where no architecture has attention), so the sweep covers every form a
+family has without building its 1,371 names.
 
 timm imports ``torchvision`` at import time (``FrozenBatchNorm2d`` and its data transforms), and the
 registry's torchvision does not load beside the CPU torch here (it breaks transformers too): when no
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from reference import Proj, _heads, _stacked
-from sweep_cases import KHA_CONFIGS, run_built
+from sweep_cases import KHA_CONFIGS, AttentionCounter, run_built, standard_layout
 
 __all__ = ["CI_ARCHS", "build", "example_args", "import_timm", "layout", "run_arch", "shrink", "variants"]
 
@@ -265,25 +266,45 @@ def _size(model: nn.Module) -> int:
 def variants(names: list[str] | None = None, progress: Any = None) -> dict[str, str]:
     """architecture -> model class: per class, one architecture per distinct set of module types.
 
-    Each is built tiny on the meta device (no memory, no compute); of those sharing a class and a
-    set of module types, the one with the fewest parameters stays. ``progress(i, n, name)`` is called
-    per architecture (the build of all 1,371 takes a few minutes).
+    Each is built tiny on the meta device (no memory, no compute) and its attention calls counted in
+    a meta forward; of those sharing a class and a set of module types, the one with the fewest
+    parameters stays. A class with no attention in any architecture keeps only its smallest (the
+    sweep checks that apply says so). ``progress(i, n, name)`` is called per architecture (the 1,371
+    builds take a few minutes).
     """
     timm = import_timm()
     names = names if names is not None else timm.list_models()
-    best: dict[tuple, tuple[int, str]] = {}
+    best: dict[tuple, tuple[int, str, bool]] = {}
     for i, name in enumerate(names):
         if progress is not None:
             progress(i, len(names), name)
         try:
             model, _ = build(name, device="meta")
         except Exception:  # kept: the sweep reports why it does not build
-            best[("unbuilt", frozenset({name}))] = (0, name)
+            best[("unbuilt", frozenset({name}))] = (0, name, True)
             continue
         sig, size = _signature(model), _size(model)
         if sig not in best or size < best[sig][0]:
-            best[sig] = (size, name)
-    return dict(sorted((name, sig[0]) for sig, (_, name) in best.items()))
+            best[sig] = (size, name, _has_attention(model))
+    attentive = {sig[0] for sig, (_, _, att) in best.items() if att}
+    plain: dict[str, tuple[int, str]] = {}  # class without attention -> its smallest architecture
+    for sig, (size, name, _) in best.items():
+        if sig[0] not in attentive and (sig[0] not in plain or size < plain[sig[0]][0]):
+            plain[sig[0]] = (size, name)
+    keep = {name: sig[0] for sig, (_, name, att) in best.items() if att}
+    keep.update({name: cls for cls, (_, name) in plain.items()})
+    return dict(sorted(keep.items()))
+
+
+def _has_attention(model: nn.Module) -> bool:
+    """Whether a forward on the meta device makes an attention call (True where it cannot run)."""
+    counter = AttentionCounter(model)
+    try:
+        with torch.no_grad(), counter:
+            model(example_args(model)[0].to("meta"))
+    except Exception:
+        return True
+    return counter.count > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,10 +337,9 @@ def _layout(model: nn.Module, cfg: Any) -> list[Proj]:
     return projs
 
 
-def layout(model: nn.Module, count: int | None = None) -> Any:
+def layout(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The reference layout of ``model`` where every attention call is a standard module's (else None)."""
-    found = _standard(model)
-    return _layout if found and (count is None or len(found) == count) else None
+    return standard_layout(model, args, kwargs, [path for path, _ in _standard(model)], _layout)
 
 
 def run_arch(name: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
@@ -332,7 +352,4 @@ def run_arch(name: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[d
         base["params"] = sum(p.numel() for p in model.parameters())
         return model, example_args(model), {}
 
-    def standard(model: nn.Module) -> Any:
-        return layout(model, base.get("attn_count"))
-
-    return run_built(make, configs, base, pass_inputs=True, layout=standard)
+    return run_built(make, configs, base, pass_inputs=True, layout=layout)
