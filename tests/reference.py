@@ -75,7 +75,7 @@ class Proj:
     roles: tuple[str, ...]
     split: Split
     mha: bool = False  # an nn.MultiheadAttention: its in-projection is a parameter, not a module
-    kha: str = ""  # where its KHA tensors live when it has none of its own (joint streams share one per role)
+    kha: tuple[str, ...] = ()  # where its KHA tensors live when it has none of its own (joint streams share)
 
 
 def _heads(n: int, dh: int, role: str) -> Split:
@@ -338,7 +338,7 @@ class Reference:
         for proj in self.projs:
             for role in proj.roles:
                 params: dict[str, Tensor] = {}
-                for home in (proj.path, proj.kha):  # its own tensors, else those of the projection it shares
+                for home in (proj.path, *proj.kha):  # its own tensors, else those of a projection it shares
                     prefix = f"{home}.kha.{role}."
                     params = {k[len(prefix) :]: v for k, v in kha.items() if home and k.startswith(prefix)}
                     if params:

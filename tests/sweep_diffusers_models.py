@@ -6,8 +6,8 @@ models); :func:`build` makes one from the tiny config of diffusers' own tests
 modulations and zero-initialised output projections, get small random values, so every attention
 reaches the output as after training), fp32, eval, with its inputs. :func:`run_class` takes one
 through ``tests/sweep_cases.py``; the per-head reference covers diffusers' ``Attention`` modules
-(``to_q``/``to_k``/``to_v`` and the joint stream's ``add_*_proj``, which share the site's transform per
-role; ``heads`` heads of ``to_q``'s width / heads).
+(``to_q``/``to_k``/``to_v`` and a joint text stream's ``add_*_proj`` or ``to_*_t``, which share the
+site's transform per role; ``heads`` heads of ``to_q``'s width / heads).
 
 Example::
 
@@ -37,8 +37,15 @@ CI_CLASSES = (
     "UNet2DConditionModel",  # Stable Diffusion's UNet: self- and cross-attention in Transformer2DModel blocks
 )
 
-# diffusers' Attention projections: (module attribute, role)
-_PROJS = (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("add_q_proj", "q"), ("add_k_proj", "k"), ("add_v_proj", "v"))
+# classes with no tiny config of their own that take another's (the same constructor and inputs)
+SIBLINGS = {
+    "AudioLDM2UNet2DConditionModel": "UNet2DConditionModel",
+    "DreamLiteUNetModel": "UNet2DConditionModel",
+    "Transformer2DModel": "DiTTransformer2DModel",
+}
+
+# diffusers' Attention projections of each role: the image stream's, then a joint text stream's
+_PROJS = {role: (f"to_{role}", f"add_{role}_proj", f"to_{role}_t") for role in ("q", "k", "v")}
 
 
 def model_classes() -> list[str]:
@@ -80,7 +87,7 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any]]:
     """(model, forward kwargs): the class ``name`` from its tiny test config, random weights, eval."""
     import diffusers
 
-    spec = SPECS.get(name)
+    spec = SPECS.get(SIBLINGS.get(name, name))
     if spec is None:
         raise LookupError(f"no tiny config for {name} (diffusers' tests at the commit read have none)")
     torch.manual_seed(SEED)
@@ -120,12 +127,11 @@ def _layout(model: nn.Module, cfg: Any) -> list[Proj]:
     for path, m in _attention_modules(model):
         dh = m.to_q.out_features // m.heads
         pre = f"{path}." if path else ""
-        for attr, role in _PROJS:
-            proj = getattr(m, attr, None)
-            if isinstance(proj, nn.Linear):  # the two streams' heads share the site's transform per role
-                other = f"add_{role}_proj" if attr.startswith("to_") else f"to_{role}"
+        for role, attrs in _PROJS.items():
+            found = {a: p for a in attrs if isinstance(p := getattr(m, a, None), nn.Linear)}
+            for attr, proj in found.items():  # the streams' heads share the site's transform per role
                 split = _heads(proj.out_features // dh, dh, role)
-                projs.append(Proj(f"{pre}{attr}", (role,), split, kha=f"{pre}{other}"))
+                projs.append(Proj(f"{pre}{attr}", (role,), split, kha=tuple(f"{pre}{a}" for a in found if a != attr)))
     return projs
 
 

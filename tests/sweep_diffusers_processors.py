@@ -188,7 +188,7 @@ def _layout(model: nn.Module, cfg: Any) -> list[Proj]:
     h, dh = model.heads, model.to_q.out_features // model.heads
     return [
         Proj(path, ("q", "k", "v"), _stacked((("q", h), ("k", h), ("v", h)), dh), kha=kha)
-        for path, kha in (("to_qkv", "to_added_qkv"), ("to_added_qkv", "to_qkv"))
+        for path, kha in (("to_qkv", ("to_added_qkv",)), ("to_added_qkv", ("to_qkv",)))
         if isinstance(getattr(model, path, None), nn.Linear)
     ]
 

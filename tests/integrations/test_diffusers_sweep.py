@@ -33,5 +33,5 @@ def test_processor(name):
 def test_every_model_class_has_a_tiny_config_or_is_named_as_missing():
     from sweep_diffusers_specs import SPECS
 
-    missing = set(sdm.model_classes()) - set(SPECS)
+    missing = set(sdm.model_classes()) - set(SPECS) - set(sdm.SIBLINGS)
     assert len(missing) < len(SPECS), sorted(missing)  # the sweep's table lists these as not counted
