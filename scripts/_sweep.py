@@ -34,6 +34,31 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 CONFIGS = ("linear_qkv", "mlp_v")  # tests/sweep_cases.py KHA_CONFIGS, without importing torch here
 
+# what every docs page says about the checks (tests/sweep_cases.py) and the cells of its table
+CHECKS = (
+    "For each KHA config (`linear_qkv`: q, k, v linear; `mlp_v`: v MLP-value) a case checks "
+    "(`tests/sweep_cases.py`): no exception but a `KHAError`; the attention calls of one plain forward, counted "
+    "independently by a TorchFunctionMode, each a site of the report (matched, or skipped with its reason); "
+    "{output} identical at init; perturbed KHA weights move {it}; the linear config folds (within 1e-4)"
+)
+REFERENCE = (
+    "and where every attention call runs in {modules} (counted per module), the perturbed output matches a "
+    "per-head reference written by hand with hooks on an untouched copy (`tests/reference.py`, within 1e-4 "
+    "relative): `pass, per head`"
+)
+
+
+def checks(output: str, it: str, modules: str = "") -> str:
+    """The sentence on the checks of a docs page; ``modules`` names where the per-head reference applies."""
+    text = CHECKS.format(output=output, it=it)
+    return f"{text}; {REFERENCE.format(modules=modules)}." if modules else f"{text}."
+
+
+LEGEND = (
+    "`skipped`: kha_compile found the attention and declined every site, saying why (the reason is in the "
+    "note); the model is left unchanged. `pass (m/n)`: m of n sites matched, the rest skipped with a reason."
+)
+
 
 def isolated(fn, args: tuple, timeout: float) -> dict:
     """``fn(*args)`` (a JSON-able dict) in a forked child; a timeout or a crash is a result too."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from _sweep import ROOT, Sweep, main, page
+from _sweep import LEGEND, ROOT, Sweep, checks, main, page
 
 DOC = ROOT / "docs" / "diffusers_sweep.md"
 
@@ -36,17 +36,14 @@ def table(data: dict) -> str:
         "(`tests/sweep_diffusers_specs.py`), random weights (weights init leaves at zero, such as adaLN-Zero "
         "modulations, get small random values, so every attention reaches the output), fp32, eval. Every "
         "attention processor class of `diffusers.models.attention_processor` (`processor:` rows) runs in an "
-        "`Attention` module of 2 heads of 16 set up for it (`tests/sweep_diffusers_processors.py`). For each KHA "
-        "config (`linear_qkv`: q, k, v linear; `mlp_v`: v MLP-value) a case checks (`tests/sweep_cases.py`): no "
-        "exception but a `KHAError`; the attention calls of one plain forward, counted independently by a "
-        "TorchFunctionMode, each a site of the report (matched, or skipped with its reason); output identical at "
-        "init; perturbed KHA weights move it; the linear config folds (within 1e-4); and where every attention "
-        "call is an `Attention` module's (`to_q`/`to_k`/`to_v`, the joint stream's `add_*_proj` sharing the "
-        "site's transform per role, heads read from the module), the perturbed output matches a per-head "
-        "reference written by hand with hooks (`tests/reference.py`, within 1e-4 relative): `pass, per head`.",
-        "`skipped`: kha_compile found the attention and declined every site, saying why (the reason is in the "
-        "note). `pass (m/n)`: m of n sites matched, the rest skipped with a reason. `no attention`: no softmax "
-        "attention in the forward (linear attention), and apply says so.",
+        "`Attention` module of 2 heads of 16 set up for it (`tests/sweep_diffusers_processors.py`). "
+        + checks(
+            "output",
+            "it",
+            "an `Attention` module (`to_q`/`to_k`/`to_v`, and a joint text stream's "
+            "`add_*_proj` or `to_*_t` sharing the site's transform per role; heads read from the module)",
+        ),
+        LEGEND + " `no attention`: no softmax attention in the forward (linear attention), and apply says so.",
         "The suite's chunk is `tests/integrations/test_diffusers_sweep.py`.",
     ]
     return page(

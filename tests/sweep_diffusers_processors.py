@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -61,25 +62,14 @@ Setup = tuple[Callable[[Any], nn.Module], dict[str, Any]]  # (processor -> modul
 
 def _attention(**init: Any) -> Callable[[Any], nn.Module]:
     """A diffusers ``Attention`` of HEADS heads of DH with ``init``, then the processor set on it."""
-
-    def make(processor: Any) -> nn.Module:
-        from diffusers.models.attention_processor import Attention
-
-        attn = Attention(heads=HEADS, dim_head=DH, **init)
-        if "Fused" in type(processor).__name__:
-            attn.fuse_projections()
-        attn.set_processor(processor)
-        return attn
-
-    return make
+    return _own("diffusers.models.attention_processor", "Attention", **init)
 
 
 def _own(path: str, cls: str, with_processor: bool = False, **init: Any) -> Callable[[Any], nn.Module]:
-    """A model file's own attention class (``FluxAttention``, ``MochiAttention``) with the processor."""
+    """An attention class of ``path`` (``Attention``; a model file's ``FluxAttention``, ``MochiAttention``)
+    with the processor: set on it, or given to its constructor (``with_processor``)."""
 
     def make(processor: Any) -> nn.Module:
-        import importlib
-
         owner = getattr(importlib.import_module(path), cls)
         if with_processor:
             return owner(heads=HEADS, dim_head=DH, processor=processor, **init)
