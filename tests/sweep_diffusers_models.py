@@ -117,7 +117,8 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (path, m)
         for path, m in model.named_modules()
-        if isinstance(getattr(m, "to_q", None), nn.Linear) and isinstance(getattr(m, "heads", None), int)
+        if all(isinstance(getattr(m, a, None), nn.Linear) for a in ("to_q", "to_k", "to_v"))
+        and isinstance(getattr(m, "heads", None), int)
     ]
 
 
