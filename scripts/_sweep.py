@@ -200,6 +200,10 @@ def page(
     for t in sorted(set(by_name) - set(built)):
         rec = next(r for r in by_name[t].values() if r.get("status") == "not_counted")
         lines.append(f"| {t} | {rec.get('cls', '')} | {_one_line(rec.get('error', '')[:160])} |")
+    pending = [t for t in meta.get("names", []) if t not in by_name]
+    if pending:
+        lines += ["", f"## Not run yet ({len(pending)}; `run --json` resumes where a run stopped)", ""]
+        lines += [", ".join(pending)]
     return "\n".join(lines) + "\n"
 
 
