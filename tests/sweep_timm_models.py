@@ -232,17 +232,18 @@ def build(name: str, device: str | torch.device | None = None) -> tuple[nn.Modul
 
 
 def _randomize_zeros(model: nn.Module) -> None:
-    """Weights that init leaves at zero, as after training: a norm's zero scale (``zero_init_last``: the
-    residual branch starts switched off) gets ones, a zero matrix small random values, so every
-    attention reaches the output and a perturbed KHA weight shows in it."""
+    """Weights that init leaves at (almost) zero, as after training: a norm's zero scale
+    (``zero_init_last``: the residual branch starts switched off) and a layer scale of 1e-5 get ones,
+    a zero matrix small random values, so every attention reaches the output and a perturbed KHA
+    weight shows in it."""
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.is_meta or not p.is_floating_point() or bool(p.any()):
+            if p.is_meta or not p.is_floating_point() or name.endswith("bias"):
                 continue
-            if p.dim() >= 2:
+            if p.dim() >= 2 and not bool(p.any()):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("weight"):
+            elif bool((p.abs() <= 1e-4).all()):  # a zero norm scale, a 1e-5 layer scale (C,) or (C, 1, 1)
                 p.fill_(1.0)
 
 

@@ -144,11 +144,15 @@ def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tens
 
 LAYOUT_OPS.update(
     {
+        aten.reshape_as.default: _to_shape,  # the other tensor gives only its shape (LeViT)
+        aten.view_as.default: _to_shape,
+        aten.expand_as.default: _expand,
         aten.pad.default: _pad,
         aten.constant_pad_nd.default: _pad,
         aten.unfold.default: _call(lambda t, dim, size, step: t.unfold(dim, size, step)),  # windows (HaloNet)
     }
 )
+SHAPE_OF_OTHER = {aten.reshape_as.default, aten.view_as.default, aten.expand_as.default}
 # Ops that keep every feature where it is (casts, copies, dropout, identity-like).
 IDENTITY_OPS = {
     aten.contiguous.default,
@@ -181,6 +185,8 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
         raise NotLayout("data input is not the first argument")
     if node.target in IDENTITY_OPS:  # casts and copies (x.type_as(v) reads only v's dtype)
         return idx
+    if node.target in SHAPE_OF_OTHER:  # x.reshape_as(y): y gives its (static) shape only
+        return fn(idx, node)
     rest = [a for a in node.args[1:]]
     if any(isinstance(a, Node) for a in rest):
         raise NotLayout("non-constant layout argument")

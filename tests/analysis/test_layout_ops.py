@@ -1,4 +1,5 @@
-"""Keys and values padded along the sequence and cut into overlapping windows (HaloNet's halo attention):
+"""Layout ops beyond reshapes: keys and values padded along the sequence and cut into overlapping windows
+(HaloNet's halo attention), and heads cut with ``reshape_as`` another tensor (LeViT):
 ``F.pad`` on an axis that holds no features and ``Tensor.unfold`` are layout ops the walk follows
 (``analysis/layout.py``), so each role reaches its projection; the perturbed output equals a per-head
 reference written from the state dict, and linear KHA folds. A pad on the feature axis is no layout."""
@@ -81,3 +82,32 @@ def test_a_pad_on_the_head_axis_is_not_followed():
     model, x = FeaturePad().eval(), torch.randn(1, 6, fz.D)
     report = kc.inspect(model, (x,))
     assert len(report.sites) == 1 and report.skipped and "v:" in report.skipped[0].reason
+
+
+class ShapeOfOther(nn.Module):
+    """Heads cut with ``reshape_as`` / ``view_as`` a template of shape (B, S, H, Dh) (LeViT style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(fz.D, fz.D) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.new_empty(x.shape[0], x.shape[1], H, DH)  # (B, S, H, Dh): only its shape is read
+        q = self.q(x).reshape_as(shape).transpose(1, 2)
+        k = self.k(x).view_as(shape).transpose(1, 2)
+        v = self.v(x).reshape_as(shape).transpose(1, 2)  # (B, H, S, Dh)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class ShapeOfOtherNet(TwoBlocks):
+    block = ShapeOfOther
+
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        q, k, v = ([kha_of(self, r, f"{p}.{r}")(h) for h in fz.split_heads(lin(sd, f"{p}.{r}", x))] for r in "qkv")
+        return x + lin(sd, f"{p}.o", attend(q, k, v))
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_heads_cut_with_reshape_as_match_a_per_head_reference(v):
+    x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
+    check_form(ShapeOfOtherNet, (x,), v, qk=True, reference=lambda m: m.reference(x))
