@@ -167,23 +167,24 @@ def page(
     )
     meta = data.get("meta", {})
     minutes = meta.get("seconds", 0) / 60
+    units = unit + ("es" if unit.endswith("s") else "s")
     lines = [f"# {title}", "", *[p for para in intro for p in (para, "")]]
     if minutes:
         lines += [f"The run took {minutes:.0f} minutes (one core, `nice`, `OMP_NUM_THREADS=1`).", ""]
     lines += [
-        f"The test suite runs the {len(ci)} {unit}s marked **CI** (marked slow); the others run only through the script.",
+        f"The test suite runs the {len(ci)} {units} marked **CI** (marked slow); the others run only through the script.",
         "",
         "## Totals",
         "",
-        f"- {unit}s: **{len(by_name)}**; built: **{len(built)}** (not counted: {len(by_name) - len(built)})",
+        f"- {units}: **{len(by_name)}**; built: **{len(built)}** (not counted: {len(by_name) - len(built)})",
         f"- cases with attention: **{counted}**: pass **{statuses['pass']}**, skipped with a reason "
         f"**{statuses['skipped']}**, fail **{statuses['fail']}** ({100 * ok / max(counted, 1):.1f}% pass or skip "
         f"with a reason; {100 * statuses['pass'] / max(counted, 1):.1f}% pass)",
         *([f"- passing cases also checked against a per-head reference: **{per_head}**"] if per_head else []),
         f"- no attention in the forward (apply says so): {statuses['no_attention']} cases",
-        f"- {unit}s whose every case passes or is skipped with a reason: **{names_ok}** of {len(built)}",
+        f"- {units} whose every case passes or is skipped with a reason: **{names_ok}** of {len(built)}",
         "",
-        f"## {unit[0].upper()}{unit[1:]}s",
+        f"## {units[0].upper()}{units[1:]}",
         "",
     ]
     head = f" {extra_head} |" if extra else ""

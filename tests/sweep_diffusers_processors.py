@@ -152,7 +152,7 @@ def _build(name: str) -> tuple[nn.Module, dict, str]:
     needs = next((pkg for key, pkg in _NEEDS.items() if key in name), None)
     if needs is not None and importlib.util.find_spec(needs) is None:
         raise ModuleNotFoundError(f"{name} needs {needs}, which is not installed here (CPU only)")
-    if "__call__" not in {n for c in type.mro(getattr(ap, name)) for n in vars(c)} - set(vars(object)):
+    if not callable(getattr(ap, name)(**PROCESSOR_ARGS.get(name, {}))):
         raise TypeError(f"{name} is a deprecated stub with no __call__ (diffusers keeps the name only)")
     errors = []
     joint_first = sorted(SETUPS, key=lambda s: "Joint" in name and "joint" not in s[0])  # stable
