@@ -14,6 +14,7 @@ python3 -m venv "$tmp/venv"
 pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install "$torch_pin"
 "${pip[@]}" install -e "$root[test]"
+"${pip[@]}" install --no-deps timm  # as scripts/_venv.sh: timm's torchvision does not load beside the CPU torch
 {
     echo "# Versions the set-up commands install (pip -c). Tested with bash scripts/test.sh."
     echo "# Refresh: bash scripts/lock.sh (resolves kha-compile[test] afresh), then run the tests."

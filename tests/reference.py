@@ -75,6 +75,7 @@ class Proj:
     roles: tuple[str, ...]
     split: Split
     mha: bool = False  # an nn.MultiheadAttention: its in-projection is a parameter, not a module
+    kha: tuple[str, ...] = ()  # where its KHA tensors live when it has none of its own (joint streams share)
 
 
 def _heads(n: int, dh: int, role: str) -> Split:
@@ -309,15 +310,18 @@ def _mha_forward(mha: nn.MultiheadAttention, split: Split, fns: dict[str, Fn]) -
 class Reference:
     """The untouched model with KHA_SPEC.md's transforms applied at its projection outputs by hooks.
 
-    ``arch``: a key of :data:`LAYOUTS` (default: ``model.config.model_type``); ``cfg``: where the head
-    counts come from (default: ``model.config``; a dict for models without a transformers config).
+    ``arch``: a key of :data:`LAYOUTS` (default: ``model.config.model_type``), or a layout function of
+    its own (``(model, cfg) -> [Proj]``); ``cfg``: where the head counts come from (default:
+    ``model.config``; a dict for models without a transformers config).
     """
 
-    def __init__(self, untouched: nn.Module, arch: str | None = None, cfg: Any = None) -> None:
+    def __init__(
+        self, untouched: nn.Module, arch: str | Callable[[nn.Module, Any], list[Proj]] | None = None, cfg: Any = None
+    ) -> None:
         self.model = untouched
         cfg = cfg if cfg is not None else getattr(untouched, "config", None)
         arch = arch or cfg.model_type
-        self.projs = LAYOUTS[arch](untouched, cfg)
+        self.projs = arch(untouched, cfg) if callable(arch) else LAYOUTS[arch](untouched, cfg)
         assert self.projs, f"no q/k/v projection of the {arch} layout found in {type(untouched).__name__}"
         self.kha: dict[str, dict[str, Tensor]] = {}  # "<path>.kha.<role>" -> {param: tensor}
 
@@ -333,8 +337,12 @@ class Reference:
         used = set()
         for proj in self.projs:
             for role in proj.roles:
-                prefix = f"{proj.path}.kha.{role}."
-                params = {k[len(prefix) :]: v for k, v in kha.items() if k.startswith(prefix)}
+                params: dict[str, Tensor] = {}
+                for home in (proj.path, *proj.kha):  # its own tensors, else those of a projection it shares
+                    prefix = f"{home}.kha.{role}."
+                    params = {k[len(prefix) :]: v for k, v in kha.items() if home and k.startswith(prefix)}
+                    if params:
+                        break
                 if params:
                     self.kha[f"{proj.path}.kha.{role}"] = {
                         p: v.detach().clone().requires_grad_(v.is_floating_point()) for p, v in params.items()
@@ -380,6 +388,13 @@ class Reference:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The reference forward (always with autograd on: torch's fused no-grad fast paths skip the hooks)."""
         with torch.enable_grad(), self._hooked():
+            return self.model(*args, **kwargs)
+
+    def no_grad(self, *args: Any, **kwargs: Any) -> Any:
+        """The reference forward without autograd, for kernels with no backward here (flex attention on
+        CPU); not for nn.MultiheadAttention, whose no-grad fast path skips the hooks."""
+        assert not any(p.mha for p in self.projs), "nn.MultiheadAttention's no-grad fast path skips the hooks"
+        with torch.no_grad(), self._hooked():
             return self.model(*args, **kwargs)
 
     def params(self) -> dict[str, Tensor]:

@@ -1,4 +1,5 @@
-"""One case of the transformers sweep: a tiny model type, a KHA config, and the checks.
+"""One case of a sweep: a tiny model (a transformers model type, a timm architecture, a diffusers
+class), a KHA config, and the checks.
 
 :func:`run_case` builds the type (:mod:`sweep_configs`), counts its attention calls in one plain
 forward independently of kha_compile (:class:`AttentionCounter`), then runs ``kc.apply`` with
@@ -6,9 +7,14 @@ example inputs kha_compile builds from the config, and checks:
 
 * nothing but a ``KHAError`` is raised;
 * every counted attention call is a site of the report, matched or skipped with a reason
-  (``len(report.sites) == count``);
+  (``len(report.sites) == count``; sites beyond the count must be skipped ones, as for a
+  softmax(q @ k^T) of rank 2 the count leaves out);
 * logits bit-identical at init; perturbing every ``.kha.`` parameter moves them;
-* for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter.
+* for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter;
+* where the caller names a standard layout, the perturbed output matches a per-head reference
+  (:class:`reference.Reference`: KHA written by hand with hooks on an untouched copy).
+
+:func:`run_built` runs the same checks on any model the caller builds (the timm and diffusers sweeps).
 
 Statuses: ``pass``; ``skipped`` (apply raised ``NoAttentionFoundError`` and every counted call is
 a site skipped with its reason: KHA declined, and said why); ``no_attention`` (no attention call
@@ -24,8 +30,10 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +42,20 @@ from torch.overrides import TorchFunctionMode
 import kha_compile as kc
 from kha_compile.analysis.inputs import example_inputs
 from kha_compile.core.errors import NoAttentionFoundError
-from kha_compile.passes.apply import analyse
+from kha_compile.passes.apply import analyse, recorded_report
+from reference import Reference, rel_err
 from sweep_configs import build, model_types
 
-__all__ = ["CI_TYPES", "KHA_CONFIGS", "AttentionCounter", "run_case", "run_type"]
+__all__ = [
+    "CI_TYPES",
+    "KHA_CONFIGS",
+    "AttentionCounter",
+    "logits",
+    "run_built",
+    "run_case",
+    "run_type",
+    "standard_layout",
+]
 
 # the chunk the test suite runs (tests/integrations/test_transformers_sweep.py): llama for the sweep's
 # own path (default config shrunk, attention counted), then one type per form that once failed. The
@@ -60,6 +78,7 @@ KHA_CONFIGS: dict[str, dict[str, str]] = {
 FOLDABLE = {"linear_qkv"}
 PERTURB_SEED, PERTURB_SCALE = 1234, 0.1
 FOLD_ATOL, MOVED_ATOL = 1e-4, 1e-6
+REFERENCE_RTOL = 1e-4  # max |KHA model - per-head reference| / max |reference|, fp32
 
 _F = torch.nn.functional
 _FUSED = {_F.scaled_dot_product_attention, _F.multi_head_attention_forward}
@@ -67,7 +86,8 @@ try:
     from torch.nn.attention.flex_attention import flex_attention as _flex
 
     _FUSED.add(_flex)
-except ImportError:  # pragma: no cover - an older torch
+    _FUSED.add(torch.ops.higher_order.flex_attention)  # what a TorchFunctionMode sees of an eager flex call
+except (ImportError, AttributeError):  # pragma: no cover - an older torch
     pass
 _SOFTMAX = {torch.softmax, _F.softmax, torch.Tensor.softmax, torch.special.softmax}
 _PRODUCTS = {
@@ -92,7 +112,8 @@ class AttentionCounter(TorchFunctionMode):
     tensor of rank >= 3 whose values descend, through masks, scaling, soft-capping and views, from a
     product of two tensors of rank >= 3 where at least one is an activation and neither is a
     parameter itself (``q @ k^T``; a learned query expanded over the batch counts, ``x @ W`` does
-    not; a Linear or conv on the way clears the mark). A TorchFunctionMode sees every torch call
+    not; a Linear or conv on the way clears the mark, unless it keeps the scores' shape: talking
+    heads mix the heads axis with a Linear). A TorchFunctionMode sees every torch call
     however it is spelled; the inner calls of a fused op are not seen.
     """
 
@@ -138,8 +159,10 @@ class AttentionCounter(TorchFunctionMode):
             mark = self._score_product(tensors) or (
                 not any(id(t) in self._params for t in tensors) and any(id(t) in self._marked for t in tensors)
             )
-        elif func in _CLEAR:
-            mark = False
+        elif func in _CLEAR:  # a projection clears the mark, but not a mixing of the heads axis that keeps
+            # the scores' shape (talking heads: a Linear over (B, Sq, Sk, H) before the softmax)
+            shapes = {tuple(t.shape) for t in tensors if id(t) in self._marked}
+            mark = isinstance(out, torch.Tensor) and tuple(out.shape) in shapes
         else:
             mark = any(id(t) in self._marked for t in tensors)
         static = all(id(t) in self._static for t in tensors)
@@ -199,9 +222,35 @@ def run_case(model_type: str, cfg_name: str) -> dict:
 
 def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> list[dict]:
     """One record per config: the type built and counted once, each config applied to a copy."""
-    t0 = time.perf_counter()
+
+    def make() -> tuple[Any, tuple, dict]:
+        model, base["attn_implementation"] = build(model_type)
+        return (model, *example_inputs(model))
+
     base: dict[str, Any] = {"model_type": model_type, "cls": model_types()[model_type][0]}
-    built = _prepare(model_type, base)
+    return run_built(make, configs, base)
+
+
+def run_built(
+    make: Callable[[], tuple[Any, tuple, dict]],
+    configs: tuple[str, ...],
+    base: dict[str, Any],
+    *,
+    output: Callable[[Any], torch.Tensor] = logits,
+    pass_inputs: bool = False,
+    layout: Callable[[Any, tuple, dict], Callable | None] | None = None,
+) -> list[dict]:
+    """The checks of every config on the model ``make()`` returns: ``(model, args, kwargs)``.
+
+    ``output`` picks the tensor compared from a forward's output; ``pass_inputs`` gives apply the
+    inputs (otherwise apply builds its own from the model's config, as a transformers user's call
+    does); ``layout(untouched model, args, kwargs)`` is a layout function for
+    :class:`reference.Reference` where the model's attention has a standard layout (``None``
+    otherwise; see :func:`standard_layout`), and each perturbed forward is then compared with the
+    per-head reference it computes.
+    """
+    t0 = time.perf_counter()
+    built = _prepare(make, base, output)
     out = []
     for i, cfg_name in enumerate(configs):
         rec = {**base, "config": cfg_name}
@@ -211,27 +260,72 @@ def run_type(model_type: str, configs: tuple[str, ...] = tuple(KHA_CONFIGS)) -> 
                 try:
                     model = copy.deepcopy(model)
                 except Exception:  # a model that does not deep-copy: build it again
-                    again = _prepare(model_type, {})
+                    again = _prepare(make, {}, output)
                     model = again[0] if again is not None else model
-            rec.update(_check(model, *built[1:], cfg_name, rec))
+            case = _Case(*built[1:], output=output, pass_inputs=pass_inputs, layout=layout)
+            if i and out[0].get("status") == "no_attention":  # no attention: what apply says is the same
+                rec.update({k: v for k, v in out[0].items() if k not in ("config", "seconds")})
+            else:
+                rec.update(_check(model, case, cfg_name, rec))
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         out.append(rec)
     return out
 
 
-def _prepare(model_type: str, rec: dict) -> tuple | None:
-    """(model, args, kwargs, reference logits, attention count), or None (``rec`` says why)."""
+@dataclasses.dataclass
+class _Case:
+    """What every config of one model is checked with: its inputs, plain output and attention count."""
+
+    args: tuple
+    kwargs: dict
+    ref: torch.Tensor
+    count: int
+    output: Callable[[Any], torch.Tensor] = logits
+    pass_inputs: bool = False
+    layout: Callable[[Any, tuple, dict], Callable | None] | None = None
+
+
+def standard_layout(model: Any, args: tuple, kwargs: dict, modules: list[str], layout: Callable) -> Callable | None:
+    """``layout`` where every attention call of one forward runs inside one of ``modules`` (module paths
+    of a standard attention class) and each of them runs one or more; ``None`` otherwise (some
+    attention is another class's, or a module of the class does not run)."""
+    if not modules:
+        return None
+    counter = AttentionCounter(model)
+    inside = dict.fromkeys(modules, 0)
+    handles = []
+    for path in modules:
+
+        def pre(m: Any, a: Any, path: str = path) -> None:
+            inside[path] -= counter.count
+
+        def post(m: Any, a: Any, out: Any, path: str = path) -> None:
+            inside[path] += counter.count
+
+        mod = model.get_submodule(path)
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     try:
-        model, rec["attn_implementation"] = build(model_type)
-        args, kwargs = example_inputs(model)
-    except Exception as exc:  # transformers cannot build it this way (or kha_compile builds no inputs)
+        with torch.no_grad(), counter:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    ok = all(n >= 1 for n in inside.values()) and sum(inside.values()) == counter.count
+    return layout if ok else None
+
+
+def _prepare(make: Callable[[], tuple[Any, tuple, dict]], rec: dict, output: Callable) -> tuple | None:
+    """(model, args, kwargs, reference output, attention count), or None (``rec`` says why)."""
+    try:
+        model, args, kwargs = make()
+    except Exception as exc:  # the library cannot build it this way (or kha_compile builds no inputs)
         rec.update(status="not_counted", stage="build", error=f"{type(exc).__name__}: {_first_line(exc)}")
         return None
     counter = AttentionCounter(model)
     try:
         with torch.no_grad(), counter:
-            ref = logits(model(*args, **kwargs)).clone()
+            ref = output(model(*args, **kwargs)).clone()
     except Exception as exc:
         rec.update(status="not_counted", stage="forward", error=f"{type(exc).__name__}: {_first_line(exc)}")
         return None
@@ -239,16 +333,21 @@ def _prepare(model_type: str, rec: dict) -> tuple | None:
     return model, args, kwargs, ref, counter.count
 
 
-def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int, cfg_name: str, rec: dict) -> dict:
+def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
+    args, kwargs, ref, count = case.args, case.kwargs, case.ref, case.count
+    inputs = (args, kwargs) if case.pass_inputs else ((), None)
+
     def call() -> torch.Tensor:
         with torch.no_grad():
-            return logits(model(*args, **kwargs)).clone()
+            return case.output(model(*args, **kwargs)).clone()
 
+    layout = case.layout(model, args, kwargs) if case.layout is not None else None
+    untouched = copy.deepcopy(model) if layout is not None else None
     try:
-        kc.apply(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]))
+        kc.apply(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), *inputs)
     except NoAttentionFoundError as exc:
         try:  # the report apply made (with the config: K = V, say, is skipped for it), nothing changed
-            report, _ = analyse(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), (), None)
+            report, _ = analyse(model, kc.KHAConfig(**KHA_CONFIGS[cfg_name]), *inputs)
         except Exception as inner:
             return _fail(rec, "analysis after a refused apply fails", inner)
         rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
@@ -261,15 +360,18 @@ def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int,
         return rec
     except Exception as exc:
         return _fail(rec, "KHAError on apply" if isinstance(exc, kc.KHAError) else "raw exception on apply", exc)
-    try:
-        report = kc.inspect(model)
+    try:  # the report apply recorded where apply had the inputs (a second trace is the costliest step)
+        report = (recorded_report(model) if case.pass_inputs else None) or kc.inspect(model, *inputs)
         out0 = call()
     except Exception as exc:
         return _fail(rec, "inspect or forward after apply fails", exc)
     rec.update(matched=len(report.matched), skipped=len(report.skipped), trace_path=report.trace_path)
     rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
-    if len(report.sites) != count:
-        return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {count} calls)")
+    if len(report.sites) != count:  # more sites than counted calls is fine where the extra ones are skipped
+        extra = len(report.sites) - count  # (a degenerate softmax(q @ k^T) of rank 2 the count leaves out)
+        if extra < 0 or len(report.matched) > count:
+            return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {count} calls)")
+        rec["extra_skipped_sites"] = extra
     if not torch.equal(out0, ref):
         rec["identity_max_diff"] = _max_diff(out0, ref)
         return _fail(rec, "identity broken")
@@ -284,6 +386,15 @@ def _check(model: Any, args: tuple, kwargs: dict, ref: torch.Tensor, count: int,
         return _fail(rec, "forward after perturb fails", exc)
     if not _max_diff(out1, ref) > MOVED_ATOL:
         return _fail(rec, "perturb has no effect")
+    if untouched is not None:
+        try:
+            expect = KHA_CONFIGS[cfg_name] if not report.skipped else None  # every projection, every role
+            reference = Reference(untouched, layout).load(model.state_dict(), expect=expect)
+            rec["reference_rel_err"] = rel_err(case.output(reference.no_grad(*args, **kwargs)), out1)
+        except Exception as exc:
+            return _fail(rec, "per-head reference fails", exc)
+        if not rec["reference_rel_err"] <= REFERENCE_RTOL:
+            return _fail(rec, "per-head reference mismatch")
     if cfg_name in FOLDABLE:
         try:
             kc.fold(model)

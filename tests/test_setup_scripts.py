@@ -59,11 +59,28 @@ def test_fresh_venv_is_created_and_installed_then_reused(tmp_path):
     first = _source(tmp_path, "test")  # no .venv, no stamp: the state of a fresh clone
     assert first[0] == f"python3 -m venv {tmp_path / 'venv'}"
     installs = [line for line in first if " install " in line]
-    assert len(installs) == 2
+    assert len(installs) == 3
     assert "torch==2.13.0" in installs[0] and "constraints.txt" in installs[0]  # torch first, pinned
     assert installs[1].endswith(f"-e {ROOT}[test]")
+    assert "--no-deps" in installs[2] and installs[2].endswith(" timm")  # never torchvision from the registry
 
     assert _source(tmp_path, "test") == []  # same hashes, same extras: nothing to do
     again = _source(tmp_path, "demo")  # an extra not installed yet
     assert any(line.endswith(f"-e {ROOT}[demo]") for line in again)
     assert _source(tmp_path, "test,demo") == []  # the stamp keeps the union of what was installed
+
+
+_STUB_PYTHON_NO_TIMM = """#!/usr/bin/env bash
+echo "python $*" >> "$KHA_TEST_LOG"
+case "$*" in *--no-deps*) exit 1 ;; esac
+"""
+
+
+def test_a_timm_that_cannot_install_does_not_stop_the_set_up(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _executable(tmp_path / "stub_python", _STUB_PYTHON_NO_TIMM)
+    _executable(tmp_path / "bin" / "python3", _STUB_PYTHON3)
+
+    log = _source(tmp_path, "test")  # _source asserts the script went on under set -e
+    assert any("--no-deps" in line for line in log)
+    assert _source(tmp_path, "test") == []  # the stamp was written: nothing to do next time

@@ -20,6 +20,7 @@ from torch.fx import Node
 from .hops import inline_wrappers
 from .layout import LAYOUT_OPS, NotLayout, push_layout, shape_of
 from .params import (
+    POINTWISE_CONVS,
     PROJ_TARGETS,
     ParamPiece,
     bias_pieces,
@@ -257,7 +258,7 @@ class MatchGraph:
         proj = Projection(node, piece.name, module_path, is_call, piece.feature_map, x, out_index, [piece])
         bias = (
             node.args[2]
-            if node.target in (aten.linear.default, aten.conv1d.default) and len(node.args) > 2
+            if (node.target is aten.linear.default or node.target in POINTWISE_CONVS) and len(node.args) > 2
             else node.args[0]
             if node.target is aten.addmm.default
             else None

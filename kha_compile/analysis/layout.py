@@ -123,6 +123,36 @@ LAYOUT_OPS.update(
         aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
     }
 )
+
+
+def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tensor:
+    """``F.pad`` on axes the index does not vary along (sequence, spatial): the padded positions hold
+    the same features as their neighbours (a zero there stays zero under any KHA transform, which
+    maps 0 to 0). Padding an axis that carries features is not a layout."""
+    for i in range(len(pad) // 2):
+        axis, before, after = idx.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if (before or after) and _varies(idx, axis):
+            raise NotLayout("pad on an axis that carries features")
+        if before < 0 or after < 0:
+            idx = idx.narrow(axis, max(-before, 0), idx.shape[axis] - max(-before, 0) - max(-after, 0))
+        edge = idx.narrow(axis, 0, 1)  # every position of this axis holds the same features
+        idx = torch.cat(
+            [edge.repeat_interleave(max(before, 0), axis), idx, edge.repeat_interleave(max(after, 0), axis)], axis
+        )
+    return idx
+
+
+LAYOUT_OPS.update(
+    {
+        aten.reshape_as.default: _to_shape,  # the other tensor gives only its shape (LeViT)
+        aten.view_as.default: _to_shape,
+        aten.expand_as.default: _expand,
+        aten.pad.default: _pad,
+        aten.constant_pad_nd.default: _pad,
+        aten.unfold.default: _call(lambda t, dim, size, step: t.unfold(dim, size, step)),  # windows (HaloNet)
+    }
+)
+SHAPE_OF_OTHER = {aten.reshape_as.default, aten.view_as.default, aten.expand_as.default}
 # Ops that keep every feature where it is (casts, copies, dropout, identity-like).
 IDENTITY_OPS = {
     aten.contiguous.default,
@@ -155,6 +185,8 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
         raise NotLayout("data input is not the first argument")
     if node.target in IDENTITY_OPS:  # casts and copies (x.type_as(v) reads only v's dtype)
         return idx
+    if node.target in SHAPE_OF_OTHER:  # x.reshape_as(y): y gives its (static) shape only
+        return fn(idx, node)
     rest = [a for a in node.args[1:]]
     if any(isinstance(a, Node) for a in rest):
         raise NotLayout("non-constant layout argument")

@@ -32,6 +32,7 @@ from torch.fx.node import Argument
 from .layout import IDENTITY_OPS, LAYOUT_OPS, NotLayout, push_layout, shape_of
 
 __all__ = [
+    "POINTWISE_CONVS",
     "PROJ_TARGETS",
     "ParamPiece",
     "bias_pieces",
@@ -47,8 +48,12 @@ __all__ = [
 
 aten = torch.ops.aten
 
-PROJ_TARGETS = {
+POINTWISE_CONVS = {
     aten.conv1d.default,  # pointwise (kernel 1) only: a linear over the channel axis of (B, C, T)
+    aten.conv2d.default,  # pointwise (1x1) only: a linear over the channel axis of (B, C, H, W)
+}
+PROJ_TARGETS = {
+    *POINTWISE_CONVS,
     aten.linear.default,
     aten.addmm.default,
     aten.matmul.default,
@@ -116,7 +121,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     t = node.target
     x: Argument
     w: Argument
-    if t is aten.conv1d.default:
+    if t in POINTWISE_CONVS:
         return _pointwise_conv(node, out_shape)
     if t is aten.einsum.default:
         raw = node.args[1]
@@ -173,28 +178,34 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
 
 
 def _pointwise_conv(node: Node, out_shape: tuple[int, ...]) -> list[tuple[Node, Node, tuple[int, ...], Tensor]]:
-    """``conv1d`` with kernel 1 (stride 1, no padding): features on the channel axis. A grouped one
-    (SqueezeBERT) is a block-diagonal linear; :func:`conv_groups` tells the handler its groups."""
+    """``conv1d``/``conv2d`` with kernel 1 (stride 1, no padding): features on the channel axis. A grouped
+    one (SqueezeBERT) is a block-diagonal linear; :func:`conv_groups` tells the handler its groups."""
     x, w = node.args[0], node.args[1]
     ws = shape_of(w)
     rest = list(node.args[3:]) + [None] * 4
     stride, padding, dilation, groups = rest[:4]
+    spatial = len(ws) - 2 if ws is not None else 0
     if (
         not isinstance(x, Node)
         or not isinstance(w, Node)
         or ws is None
-        or len(ws) != 3
-        or ws[2] != 1
-        or stride not in (None, 1, [1], (1,))
-        or padding not in (None, 0, [0], (0,))
-        or dilation not in (None, 1, [1], (1,))
+        or spatial < 1
+        or any(k != 1 for k in ws[2:])
+        or not _all(stride, 1)
+        or not _all(padding, 0)
+        or not _all(dilation, 1)
         or not isinstance(groups, (int, type(None)))
     ):
         return []
-    channel = len(out_shape) - 2  # (B, C, T), or (C, T) unbatched
+    channel = len(out_shape) - 1 - spatial  # (B, C, T) or (B, C, H, W), or unbatched
     view = [1] * len(out_shape)
     view[channel] = ws[0]
     return [(x, w, (0,), torch.arange(ws[0]).reshape(view).expand(out_shape))]
+
+
+def _all(value: Any, default: int) -> bool:
+    """A conv's stride / padding / dilation argument is ``default`` on every axis (or left out)."""
+    return value is None or value == default or (isinstance(value, (list, tuple)) and all(v == default for v in value))
 
 
 def conv_groups(node: Node) -> int:
@@ -204,7 +215,7 @@ def conv_groups(node: Node) -> int:
 
         conv_groups(node)     # 4 for SqueezeBERT's query conv
     """
-    if node.target is not aten.conv1d.default or len(node.args) < 7:
+    if node.target not in POINTWISE_CONVS or len(node.args) < 7:
         return 1
     groups = node.args[6]
     return groups if isinstance(groups, int) else 1
@@ -217,7 +228,9 @@ def feature_axis_last(node: Node, out_index: Tensor) -> Tensor:
 
         feature_axis_last(conv_node, idx)      # (B, C, T) -> (B, T, C)
     """
-    return out_index.movedim(-2, -1) if node.target is aten.conv1d.default else out_index
+    if node.target not in POINTWISE_CONVS:
+        return out_index
+    return out_index.movedim(out_index.dim() - len(shape_of(node.args[1]) or (0, 0, 0)) + 1, -1)
 
 
 def _numel(shape: tuple[int, ...], axes: tuple[int, ...]) -> int:

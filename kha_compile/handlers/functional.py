@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..analysis.match import RoleMatch
-from ..analysis.params import conv_groups
+from ..analysis.params import POINTWISE_CONVS, conv_groups
 from ..core.errors import AlreadyAppliedError, InternalError
 from ..model.carrier import KHATransforms, is_kha_projection, make_transform, set_handler, transforms_of
 from ..model.parametrized import (
@@ -183,7 +183,7 @@ def _call_plan(m: RoleMatch) -> tuple[tuple[int, ...], Tensor, bool]:
     inv = torch.empty_like(feats)
     inv[feats] = torch.arange(feats.numel())
     node = m.projection.node
-    inside = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.conv1d.default)
+    inside = (torch.ops.aten.linear.default, torch.ops.aten.addmm.default, *POINTWISE_CONVS)
     post = node.target not in inside and any(p.kind != "weight" for p in m.projection.pieces)
     return axes, inv[m.head_map.index], post
 

@@ -123,6 +123,7 @@ _PROJ_NAMES = {
     "tensordot",
     "bmm",
     "conv1d",  # a pointwise (kernel 1) Conv1d projection in (B, C, T) layout
+    "conv2d",  # a pointwise (1x1) Conv2d projection in (B, C, H, W) layout
 }
 _LAYOUT_NAMES = {
     "t",
@@ -199,7 +200,10 @@ def _apply_call(y: Tensor, call: ProjectionCall) -> Tensor:
     if perm == list(range(nd)):
         return out
     inverse = [perm.index(a) for a in range(nd)]
-    return out.permute(inverse)
+    out = out.permute(inverse)
+    # the projection's own memory layout (a conv's (B, C, H, W)): what reads it next (SDPA's kernel
+    # choice, a matmul's blocking) then rounds as in the original model, so identity at init is exact
+    return out.contiguous() if y.is_contiguous() and not out.is_contiguous() else out
 
 
 class _Intercept(TorchFunctionMode):
