@@ -21,13 +21,16 @@ from torch.fx import Node
 
 __all__ = [
     "IDENTITY_OPS",
+    "INDEX_OPS",
     "LAYOUT_OPS",
     "HeadMap",
     "NotLayout",
+    "constant_index",
     "push_layout",
     "read_head_map",
     "shape_of",
     "slot_from_map",
+    "varies",
 ]
 
 aten = torch.ops.aten
@@ -139,6 +142,8 @@ IDENTITY_OPS = {
 }
 for _same in IDENTITY_OPS:
     LAYOUT_OPS[_same] = _identity
+# indexing: constant indices anywhere, computed ones along token axes only (see ``_index``)
+INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.gather.default, aten.index_select.default}
 
 
 def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Any:
@@ -147,7 +152,7 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
     Raises ``NotLayout`` when ``node`` is not a pure layout op of that input.
     """
     fn = LAYOUT_OPS.get(node.target)
-    if node.target is aten.index.Tensor:
+    if node.target in INDEX_OPS:
         return _index(idx, node, data_input, constants)
     if fn is None:
         raise NotLayout(f"{node.target} is not a layout op")
@@ -161,25 +166,114 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
     return fn(idx, node, *rest, **dict(node.kwargs))
 
 
+# ops that compute index tensors from constants alone (``torch.arange(H)[None, :, None]``): evaluated
+_CONST_OPS = {
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    *LAYOUT_OPS,
+}
+_CONST_MAX_NUMEL = 1 << 20
+
+
+def constant_index(node: Any, constants: dict[str, Tensor], depth: int = 0) -> Tensor | None:
+    """The value of an index computed from constants only (lifted constants, ``arange``, views), or None.
+
+    Example::
+
+        constant_index(arange_node, {})     # tensor([0, 1, 2, 3])
+    """
+    if not isinstance(node, Node) or depth > 16:
+        return None
+    if node.op == "placeholder":
+        val = constants.get(node.name)
+        return val.to("cpu") if val is not None and val.device.type != "meta" else None
+    if node.op != "call_function" or node.target not in _CONST_OPS:
+        return None
+
+    def value(a: Any) -> Any:
+        if isinstance(a, Node):
+            v = constant_index(a, constants, depth + 1)
+            if v is None:
+                raise NotLayout("not a constant")
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return a
+
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in ("device", "pin_memory", "layout")}
+    try:
+        out = node.target(*value(node.args), **value(kwargs))
+    except (NotLayout, RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    return out if isinstance(out, Tensor) and out.numel() <= _CONST_MAX_NUMEL else None
+
+
+def _computed(ind: Node, idx: Tensor, axes: list[int], what: str) -> Tensor:
+    """A stand-in for a computed index along ``axes``: zeros of its shape, valid while ``idx`` (the
+    feature numbers) does not vary along those axes (a gather along tokens keeps every head vector)."""
+    shape, val = shape_of(ind), ind.meta.get("val")
+    if shape is None:
+        raise NotLayout(f"{what} with a computed index of symbolic shape")
+    if isinstance(val, Tensor) and val.dtype is torch.bool:
+        raise NotLayout(f"{what} with a boolean mask (a data-dependent shape)")
+    for a in axes:
+        if idx.shape[a] > 1 and varies(idx, a):
+            raise NotLayout(f"{what} along axis {a}, which holds heads or features, with a computed index")
+    return torch.zeros(shape, dtype=torch.long)
+
+
 def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Tensor:
+    """``x[i0, i1, ...]``, ``gather`` and ``index_select`` on the index tensor.
+
+    Constant indices (or indices computed from constants) are applied as they are; a computed index
+    (top-k query selection, sampled keys, graph edges) is followed along the token (batch, sequence)
+    axes and refused along the head or feature axes.
+    """
     if node.args[0] is not data_input:
         raise NotLayout("data input is not indexed")
+    t = node.target
+    if t in (aten.gather.default, aten.index_select.default):
+        dim, ind = node.args[1], node.args[2]
+        if not isinstance(dim, int) or not isinstance(ind, Node):
+            raise NotLayout("a gather without a constant dim")
+        dim %= idx.dim()
+        const = constant_index(ind, constants)
+        what = "gather" if t is aten.gather.default else "index_select"
+        use = const if const is not None else _computed(ind, idx, [dim], what)
+        if t is aten.gather.default:
+            return torch.gather(idx, dim, use.long())
+        return torch.index_select(idx, dim, use.long().reshape(-1))
     indices: list[Tensor | None] = []
     raw_indices: Any = node.args[1]
-    for ind in raw_indices:
+    for axis, ind in enumerate(raw_indices):
         if ind is None:
             indices.append(None)
             continue
         while isinstance(ind, Node) and ind.op == "call_function" and ind.target in IDENTITY_OPS:
             ind = ind.args[0]  # lift_fresh_copy(constant), casts
-        val = constants.get(ind.name) if isinstance(ind, Node) else None
-        if val is None or val.device.type == "meta":
-            raise NotLayout("index with a computed (non-constant) tensor")
-        indices.append(val.to("cpu"))
+        val = constant_index(ind, constants)
+        if val is None:
+            if not isinstance(ind, Node):
+                raise NotLayout("index with a computed (non-constant) tensor")
+            val = _computed(ind, idx, [axis], "index")
+        indices.append(val)
     return aten.index.Tensor(idx, indices)
 
 
-def _varies(idx: Tensor, axis: int) -> bool:
+def varies(idx: Tensor, axis: int) -> bool:
+    """True when the index tensor ``idx`` holds different values along ``axis`` (heads or features there).
+
+    Example::
+
+        varies(torch.arange(4).expand(3, 4), 0)     # False: a broadcast copy along axis 0
+    """
     if idx.stride(axis) == 0:  # a broadcast (expanded) axis is constant by construction
         return False
     return bool((idx != idx.narrow(axis, 0, 1)).any())
@@ -194,9 +288,9 @@ def read_head_map(idx: Tensor) -> HeadMap | None:
     if not isinstance(idx, Tensor) or idx.dim() < 1 or idx.shape[-1] < 1:
         return None
     dh = idx.shape[-1]
-    if dh > 1 and not _varies(idx, -1):
+    if dh > 1 and not varies(idx, -1):
         return None
-    varying = [a for a in range(idx.dim() - 1) if idx.shape[a] > 1 and _varies(idx, a)]
+    varying = [a for a in range(idx.dim() - 1) if idx.shape[a] > 1 and varies(idx, a)]
     if len(varying) > 1:
         return None
     if not varying:

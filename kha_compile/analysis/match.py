@@ -24,9 +24,11 @@ from torch.fx import Node
 
 from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
+from .heads import group_heads
 from .joint import resolve_role, through_cat
-from .layout import LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
+from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
 from .rules import Anchor, attention_rules
+from .writes import through_write, written_value
 
 __all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
 
@@ -58,7 +60,8 @@ class RawSite:
     cross: bool = False
     # role -> the other projections feeding it (joint streams, sums; see .joint) and how they join
     joint: dict[str, list[RoleMatch]] = dataclasses.field(default_factory=dict)
-    join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum"
+    join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum" | "heads"
+    heads: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> heads, when heads are modules (.heads)
 
     def all_roles(self) -> list[RoleMatch]:
         """Every role match of the site, the other projections of joint roles included."""
@@ -133,8 +136,10 @@ def _role_match(
                 if node.target is aten.cat.default and prev in cast(list, node.args[0]) and expect[i - 1] == expect[i]:
                     idx = through_cat(idx, node, prev)  # joint streams: a sequence-axis cat is layout
                     joined = True
-                elif direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
+                elif direct and (node.target in LAYOUT_OPS or node.target in INDEX_OPS):
                     idx = push_layout(idx, node, prev, g.constants)
+                elif prev in g.writes.get(node, ()) or (written_value(node) is prev and prev is not None):
+                    idx = through_write(idx, node, prev)  # a cache written in place, rows scattered back
                 elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
                     pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
                 elif isinstance(idx, tuple) and node.target is not None:
@@ -142,7 +147,7 @@ def _role_match(
                 else:
                     raise NotLayout(f"{node.name} ({node.target}) changes the shape")
             except (NotLayout, RuntimeError, IndexError, TypeError) as exc:
-                if node.target in LAYOUT_OPS or node.target is aten.index.Tensor:
+                if node.target in LAYOUT_OPS or node.target in INDEX_OPS:
                     # a layout op we could not evaluate: the head map after it is unknown
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
                 stop = f"stopped at {node.name}: {exc}"
@@ -343,4 +348,4 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)
-    return sites
+    return group_heads(g, sites)  # heads written as separate modules: one site, one transform per role

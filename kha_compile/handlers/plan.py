@@ -67,21 +67,16 @@ def build_sites(
                 )
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
+        n_q, n_k = (raw.heads.get(r, raw.roles[r].head_map.num_heads) for r in "qk")
         kind: SiteKind = (
-            "mla"
-            if raw.mla
-            else "cross"
-            if raw.cross
-            else (
-                "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
-            )
+            "mla" if raw.mla else "cross" if raw.cross else ("mha" if n_k == n_q else "mqa" if n_k == 1 else "gqa")
         )
         # handlers look at the real modules: the traced paths of a repeated block name its first copy
         first = copies[0][1]
         handlers = {r: choose_handler(model, _realized(raw.roles[r], first)) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
-        note = MLA_NOTE if kind == "mla" else ""
+        note = MLA_NOTE if kind == "mla" else heads_note(raw)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
             kinds = {r: _foldable(k) for r, k in kinds.items()}
         slots: dict[str, HeadSlot] = {}
@@ -111,8 +106,8 @@ def build_sites(
                 name,
                 "matched",
                 kind=kind,
-                num_heads=q.head_map.num_heads,
-                num_kv_heads=k.head_map.num_heads,
+                num_heads=n_q,
+                num_kv_heads=n_k,
                 head_dim=q.head_map.head_dim,
                 v_head_dim=v.head_map.head_dim,
                 q_proj=paths["q"],
@@ -158,6 +153,19 @@ def build_sites(
                     _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
     _share_tied(model, plan)
     return sites, list(plan.values())
+
+
+def heads_note(raw: RawSite) -> str:
+    """The report note of a site whose heads are separate modules ('' for any other site)."""
+    if "heads" not in raw.join.values():
+        return ""
+    counts = ", ".join(f"{r}: {raw.heads.get(r, 1)}" for r in "qkv")
+    owners = ", ".join(f"{r}: {raw.roles[r].projection.module_path}" for r in "qkv" if raw.join.get(r) == "heads")
+    return (
+        f"heads written as separate modules ({counts} projections), one attention call each: one site, one "
+        f"shared transform per role (held by {owners}), applied after every head's projection and folded "
+        "into each"
+    )
 
 
 def _share_tied(model: nn.Module, plan: dict[str, PlanEntry]) -> None:

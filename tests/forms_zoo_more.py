@@ -1,0 +1,306 @@
+"""More attention forms from real code (issue 22), each with an independent per-head reference.
+
+Like ``tests/forms_zoo.py``: every model has ``reference(*inputs)``, its output computed from the
+stored parameters head by head with KHA as KHA_SPEC.md writes it. The reference looks KHA up with
+:func:`shared_kha`, which finds the one transform of a role anywhere under a module and fails when
+there are several: one shared T per role for all heads is part of what it checks.
+
+Example::
+
+    model = HeadModulesNet()
+    kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x,))
+    torch.testing.assert_close(model(x), model.reference(x))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from forms_zoo import D, DH, H, attend, from_heads, lin, to_heads
+from projection_reference import spec_transform
+
+
+def shared_kha(model: nn.Module, role: str, prefix: str) -> Callable[[Tensor], Tensor]:
+    """The spec transform of ``role`` held anywhere under ``prefix`` (identity if none); exactly one.
+
+    Example::
+
+        t_v = shared_kha(model, "v", "blocks.0")     # fails if two modules under blocks.0 hold a T^V
+    """
+    found: dict[str, dict[str, Tensor]] = {}
+    for name, p in model.named_parameters():
+        if not name.startswith(prefix + ".") and prefix:
+            continue
+        owner, sep, leaf = name.partition(f".kha.{role}.")
+        if sep:
+            found.setdefault(owner, {})[leaf] = p.detach()
+    assert len(found) <= 1, f"{role}: one shared transform expected under {prefix!r}, found {sorted(found)}"
+    return spec_transform(next(iter(found.values()))) if found else (lambda h: h)
+
+
+def _softmax_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One head: (B, S, Dh) each -> (B, S, Dh)."""
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+# ---- 1. heads as separate modules -------------------------------------------------------------
+
+
+class Head(nn.Module):
+    """One head with its own q, k, v projections and its own attention call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, DH), nn.Linear(D, DH), nn.Linear(D, DH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _softmax_attend(self.q(x), self.k(x), self.v(x))
+
+
+class HeadModulesBlock(nn.Module):
+    """``ModuleList`` of heads, outputs concatenated (``combine="cat"``) or averaged (``"mean"``)."""
+
+    combine = "cat"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([Head() for _ in range(H)])
+        self.o = nn.Linear(D if self.combine == "cat" else DH, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        outs = [h(x) for h in self.heads]
+        y = torch.cat(outs, dim=-1) if self.combine == "cat" else torch.stack(outs).mean(0)
+        return x + self.o(y)
+
+
+class MeanHeadsBlock(HeadModulesBlock):
+    combine = "mean"
+
+
+class SharedValueBlock(nn.Module):
+    """Per-head q and k projections in two lists, one value projection shared by all heads, SDPA per
+    head, outputs summed and divided (``sum(outs) / H``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qs = nn.ModuleList([nn.Linear(D, DH) for _ in range(H)])
+        self.ks = nn.ModuleList([nn.Linear(D, DH) for _ in range(H)])
+        self.v, self.o = nn.Linear(D, DH), nn.Linear(DH, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        v = self.v(x)
+        outs = [F.scaled_dot_product_attention(q(x), k(x), v) for q, k in zip(self.qs, self.ks)]
+        return x + self.o(sum(outs) / H)
+
+
+class _TwoOf(nn.Module):
+    block: type[nn.Module]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([self.block(), self.block()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class HeadModulesNet(_TwoOf):
+    block = HeadModulesBlock
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        for i, blk in enumerate(self.blocks):
+            p = f"blocks.{i}"
+            t = {r: shared_kha(self, r, p) for r in "qkv"}
+            outs = [
+                _softmax_attend(*(t[r](lin(sd, f"{p}.heads.{h}.{r}", x)) for r in "qkv")) for h in range(len(blk.heads))
+            ]
+            y = torch.cat(outs, dim=-1) if blk.combine == "cat" else torch.stack(outs).mean(0)
+            x = x + lin(sd, f"{p}.o", y)
+        return x
+
+
+class MeanHeadsNet(HeadModulesNet):
+    block = MeanHeadsBlock
+
+
+class SharedValueNet(_TwoOf):
+    block = SharedValueBlock
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        for i in range(2):
+            p = f"blocks.{i}"
+            t = {r: shared_kha(self, r, p) for r in "qkv"}
+            v = t["v"](lin(sd, f"{p}.v", x))
+            outs = [
+                _softmax_attend(t["q"](lin(sd, f"{p}.qs.{h}", x)), t["k"](lin(sd, f"{p}.ks.{h}", x)), v)
+                for h in range(H)
+            ]
+            x = x + lin(sd, f"{p}.o", sum(outs) / H)
+        return x
+
+
+# ---- 2. attention over a KV cache written in place ----------------------------------------------
+
+MAX_LEN = 48
+
+
+def causal_from(pos: int, s: int, total: int) -> Tensor:
+    """(s, total) additive mask: query i (at position pos + i) sees keys 0 .. pos + i."""
+    return torch.full((s, total), float("-inf")).triu(pos + 1)
+
+
+class MetaCacheAttn(nn.Module):
+    """Meta's Llama reference code: cache buffers, ``cache_k[:b, pos:pos + s] = xk``, read back sliced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.register_buffer("cache_k", torch.zeros(2, MAX_LEN, H, DH), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(2, MAX_LEN, H, DH), persistent=False)
+
+    def forward(self, x: Tensor, start_pos: int) -> Tensor:
+        b, s, _ = x.shape
+        xq, xk, xv = (m(x).view(b, s, H, DH) for m in (self.wq, self.wk, self.wv))  # (B, S, H, Dh)
+        self.cache_k[:b, start_pos : start_pos + s] = xk
+        self.cache_v[:b, start_pos : start_pos + s] = xv
+        keys, values = self.cache_k[:b, : start_pos + s], self.cache_v[:b, : start_pos + s]
+        q, k, v = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # (B, H, T, Dh)
+        scores = q @ k.transpose(2, 3) / math.sqrt(DH) + causal_from(start_pos, s, start_pos + s)
+        return x + self.wo(from_heads(torch.softmax(scores, dim=-1) @ v))
+
+
+class FastCacheAttn(nn.Module):
+    """gpt-fast: a fused wqkv, ``k_cache[:, :, input_pos] = k`` (``index_put_``), SDPA over the whole cache."""
+
+    def __init__(self, style: str = "index_put") -> None:
+        super().__init__()
+        self.style = style
+        self.wqkv, self.wo = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+        self.register_buffer("k_cache", torch.zeros(2, H, MAX_LEN, DH), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(2, H, MAX_LEN, DH), persistent=False)
+
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = (to_heads(t) for t in self.wqkv(x).split([D, D, D], dim=-1))  # (B, H, S, Dh)
+        if self.style == "index_put":
+            self.k_cache[:, :, input_pos] = k
+            self.v_cache[:, :, input_pos] = v
+        else:
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+        return x + self.wo(from_heads(o))
+
+
+class ListCacheAttn(FastCacheAttn):
+    """The cache as an argument: a list ``[k, v]`` of tensors written by slice assignment."""
+
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor, cache: list[Tensor]) -> Tensor:  # type: ignore[override]
+        q, k, v = (to_heads(t) for t in self.wqkv(x).split([D, D, D], dim=-1))
+        cache[0][:, :, input_pos] = k
+        cache[1][:, :, input_pos] = v
+        o = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask)
+        return x + self.wo(from_heads(o))
+
+
+def cache_reference(model: nn.Module, x_all: Tensor, wq: Callable, wk: Callable, wv: Callable, wo: str) -> Tensor:
+    """Causal attention over every token so far (no cache), head by head, with the shared KHA of ``model``."""
+    sd = model.state_dict()
+    t = {r: shared_kha(model, r, "") for r in "qkv"}
+    q, k, v = ([t[r](h) for h in heads] for r, heads in zip("qkv", (wq(sd, x_all), wk(sd, x_all), wv(sd, x_all))))
+    n = x_all.shape[1]
+    return x_all + F.linear(attend(q, k, v, causal_from(0, n, n)), sd[f"{wo}.weight"])
+
+
+def _split(y: Tensor) -> list[Tensor]:
+    return list(y.unflatten(-1, (H, DH)).unbind(-2))
+
+
+def meta_reference(model: nn.Module, x_all: Tensor) -> Tensor:
+    def role(name: str) -> Callable:
+        return lambda sd, x: _split(F.linear(x, sd[f"{name}.weight"]))
+
+    return cache_reference(model, x_all, role("wq"), role("wk"), role("wv"), "wo")
+
+
+def fast_reference(model: nn.Module, x_all: Tensor) -> Tensor:
+    def role(i: int) -> Callable:
+        return lambda sd, x: _split(F.linear(x, sd["wqkv.weight"]).split([D, D, D], dim=-1)[i])
+
+    return cache_reference(model, x_all, role(0), role(1), role(2), "wo")
+
+
+# ---- 3. sparse query and key selection --------------------------------------------------------
+
+
+class TopQueries(nn.Module):
+    """Informer's ProbSparse form: the top queries per head (a computed index along the sequence),
+    ``q[arange(B)[:, None, None], arange(H)[None, :, None], top]``; the other positions get the
+    mean of the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (to_heads(m(x)) for m in (self.q, self.k, self.v))  # (B, H, S, Dh)
+        b, _, s, _ = q.shape
+        top = (q @ k.mean(2, keepdim=True).transpose(-1, -2)).squeeze(-1).topk(s // 4, dim=-1).indices  # (B, H, u)
+        bi, hi = torch.arange(b)[:, None, None], torch.arange(H)[None, :, None]
+        p = torch.softmax(q[bi, hi, top] @ k.transpose(-1, -2) / math.sqrt(DH), dim=-1)  # (B, H, u, S)
+        out = v.mean(2, keepdim=True).expand(b, H, s, DH).clone()
+        out[bi, hi, top] = p @ v
+        return x + self.o(from_heads(out))
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        q, k, v = (
+            torch.stack([shared_kha(self, r, "")(h) for h in _split(lin(sd, r, x))], dim=1) for r in "qkv"
+        )  # (B, H, S, Dh), the KHA transform on each head vector
+        b, _, s, _ = q.shape
+        out = torch.empty_like(v)
+        for bb in range(b):
+            for h in range(H):
+                score = q[bb, h] @ k[bb, h].mean(0)
+                top = score.topk(s // 4).indices
+                out[bb, h] = v[bb, h].mean(0)
+                p = torch.softmax(q[bb, h, top] @ k[bb, h].T / math.sqrt(DH), dim=-1)
+                out[bb, h, top] = p @ v[bb, h]
+        return x + lin(sd, "o", from_heads(out))
+
+
+class SampledKeys(nn.Module):
+    """Keys and values sampled along the sequence (``index_select`` with a computed index), queries all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (to_heads(m(x)) for m in (self.q, self.k, self.v))
+        keep = x[0, :, 0].argsort()[: x.shape[1] // 2]  # data-dependent positions
+        o = F.scaled_dot_product_attention(q, k.index_select(2, keep), v.index_select(2, keep))
+        return x + self.o(from_heads(o))
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        keep = x[0, :, 0].argsort()[: x.shape[1] // 2]
+        q, k, v = ([shared_kha(self, r, "")(h) for h in _split(lin(sd, r, x))] for r in "qkv")
+        return x + lin(sd, "o", attend(q, [h[:, keep] for h in k], [h[:, keep] for h in v]))
+
+
+class HeadPicked(SampledKeys):
+    """Heads picked by a computed index (``index_select`` on the head axis): refused."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (to_heads(m(x)) for m in (self.q, self.k, self.v))
+        order = q.abs().sum((0, 2, 3)).argsort()  # (H,) data-dependent
+        return x + self.o(from_heads(F.scaled_dot_product_attention(q.index_select(1, order), k, v)))
