@@ -304,3 +304,44 @@ class HeadPicked(SampledKeys):
         q, k, v = (to_heads(m(x)) for m in (self.q, self.k, self.v))
         order = q.abs().sum((0, 2, 3)).argsort()  # (H,) data-dependent
         return x + self.o(from_heads(F.scaled_dot_product_attention(q.index_select(1, order), k, v)))
+
+
+# ---- 4. a fused wqkv interleaved per kv group (InternLM2, torchtitan's fuse_qkv) -------------------
+
+KV = 2
+REP = H // KV
+
+
+class GroupedWqkv(nn.Module):
+    """``wqkv`` output viewed as (B, S, kv groups, REP + 2, Dh): per group its REP query heads, then
+    its key and its value. Query head h = g * REP + r sits at rows g * (REP + 2) * Dh + r * Dh: a
+    permutation of rows, not an affine layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(D, (H + 2 * KV) * DH)
+        self.wo = nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        qkv = self.wqkv(x).view(b, s, KV, REP + 2, DH)
+        q = qkv[..., :REP, :].reshape(b, s, H, DH).transpose(1, 2)  # (B, H, S, Dh)
+        k, v = qkv[..., -2, :].transpose(1, 2), qkv[..., -1, :].transpose(1, 2)  # (B, KV, S, Dh)
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.wo(from_heads(o))
+
+
+class GroupedWqkvNet(_TwoOf):
+    block = GroupedWqkv
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        for i in range(2):
+            p = f"blocks.{i}"
+            t = {r: shared_kha(self, r, p) for r in "qkv"}
+            y = lin(sd, f"{p}.wqkv", x).unflatten(-1, (KV, REP + 2, DH))  # (B, S, KV, REP + 2, Dh)
+            q = [t["q"](y[..., g, r, :]) for g in range(KV) for r in range(REP)]
+            k = [t["k"](y[..., g, REP, :]) for g in range(KV)]
+            v = [t["v"](y[..., g, REP + 1, :]) for g in range(KV)]
+            x = x + lin(sd, f"{p}.wo", attend(q, k, v))
+        return x

@@ -29,6 +29,7 @@ __all__ = [
     "push_layout",
     "read_head_map",
     "shape_of",
+    "token_shape",
     "slot_from_map",
     "varies",
 ]
@@ -51,6 +52,27 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
         except Exception:  # symbolic sizes; an unbacked (data-dependent) size raises a guard error
             return None
     return None
+
+
+def token_shape(node: Any) -> tuple[int, ...] | None:
+    """``shape_of``, with each data-dependent size (rows routed to one expert: ``u0``) as 1.
+
+    Such sizes only count tokens; an index tensor of feature numbers is a broadcast copy along them.
+
+    Example::
+
+        token_shape(expert_linear)      # (1, 32) for a (u0, 32) output
+    """
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    out = []
+    for s in val.shape:
+        try:
+            out.append(int(s))
+        except Exception:  # an unbacked (data-dependent) size
+            out.append(1)
+    return tuple(out)
 
 
 def _to_output_shape(method: str) -> Callable:

@@ -26,7 +26,7 @@ from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
 from .heads import group_heads
 from .joint import resolve_role, through_cat
-from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
+from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of, token_shape
 from .rules import Anchor, attention_rules
 from .writes import through_write, written_value
 
@@ -95,7 +95,7 @@ def _role_match(
     if not path:
         return None, f"{role}: no path from {proj.node.name} to {target.name}"
     chain = g.articulation(path)
-    shape = shape_of(proj.node)
+    shape = token_shape(proj.node)  # rows routed to one expert have a data-dependent count
     if shape is None:
         return None, f"{role}: {proj.node.name} has a symbolic shape"
     idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
@@ -242,6 +242,30 @@ def _same_values(a: Node, b: Node) -> bool:
 def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
     """True when the projection reads a low-rank latent: another projection of the same attention
     module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
+    return _latent_projection(g, proj, scope, depth) is not None
+
+
+def _token_source(node: Node) -> Node:
+    """The tensor ``node`` selects tokens of or rearranges: back through layout ops, gathers along
+    tokens and splits (routed experts take ``x[batch_index].split(sizes)``)."""
+    for _ in range(32):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+            return node
+        if node.target not in LAYOUT_OPS and node.target not in INDEX_OPS:
+            return node
+        node = node.args[0]
+    return node
+
+
+def _query_input(g: MatchGraph, proj: Projection, scope: str) -> Node:
+    """What the query projection reads, seen through a low-rank latent of the same module (DeepSeek's
+    q_a_proj -> q_a_norm -> q_b_proj) and through token selection (routed heads)."""
+    latent = _latent_projection(g, proj, scope)
+    return _token_source(latent.input_node if latent is not None else proj.input_node)
+
+
+def _latent_projection(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> Projection | None:
+    """The projection of the same attention module (``scope``) whose output ``proj`` reads, if any."""
     frontier = [proj.input_node]
     seen = set()
     for _ in range(depth):
@@ -252,7 +276,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
             seen.add(n)
             other = g.as_projection(n)
             if other is not None:
-                return bool(scope) and other.module_path.startswith(scope + ".")
+                return other if bool(scope) and other.module_path.startswith(scope + ".") else None
             if (
                 n.target in (aten.add.Tensor, aten.sub.Tensor)
                 and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2
@@ -262,7 +286,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
                 continue
             nxt.extend(i for i in n.all_input_nodes if i.op != "placeholder")
         frontier = nxt
-    return False
+    return None
 
 
 def _anchors(g: MatchGraph) -> list[Anchor]:
@@ -344,7 +368,11 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 or _latent_input(g, k.projection, name)
                 or _latent_input(g, v.projection, name)
             )
-            site.cross = not site.mla and not _same_values(q.projection.input_node, k.projection.input_node)
+            site.cross = (
+                not site.mla
+                and not _same_values(q.projection.input_node, k.projection.input_node)
+                and _query_input(g, q.projection, name) is not _token_source(k.projection.input_node)
+            )
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)

@@ -39,13 +39,13 @@ MLA_NOTE = (
 )
 
 
-def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
+def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot:
     hm = m.head_map
     if param_space:  # features of the weight's output axis (e.g. rows of in_proj_weight)
         hm = dataclasses.replace(hm, index=m.projection.feature_map[hm.index])
     affine = slot_from_map(hm)
-    if affine is None:
-        return None
+    if affine is None:  # any other fixed set of features per head: an index map
+        return HeadSlot.indexed(cast(Role, role), hm.index)
     offset, stride = affine
     return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
@@ -84,11 +84,7 @@ def build_sites(
             handler = handlers[r][0]
             if handler is not None and handler.plans_roles:
                 continue  # positions live in the handler's own plan (plan_role below)
-            s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
-            if s is None:
-                bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
-            else:
-                slots[r] = s
+            slots[r] = _slot(r, raw.roles[r], handler is not None and handler.param_space)
         joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
         bad.extend(why)
         bad.extend(_shared_features(raw, kinds))
@@ -156,7 +152,20 @@ def build_sites(
 
 
 def heads_note(raw: RawSite) -> str:
-    """The report note of a site whose heads are separate modules ('' for any other site)."""
+    """The report note of a site whose heads are separate modules, or routed to experts ('' otherwise)."""
+    routed = [
+        r
+        for r, how in raw.join.items()
+        if how == "cat" and len({m.projection.param for m in [raw.roles[r], *raw.joint[r]]}) == 1
+    ]
+    if routed:
+        weight = ".".join(raw.roles[routed[0]].projection.param.split(".")[-2:])
+        return (
+            f"{','.join(routed)}: routed heads (mixture of attention heads): each token's heads come from the "
+            f"experts its router picks, calls of one weight ({weight}) on the tokens routed to each "
+            f"({1 + len(raw.joint[routed[0]])} calls); the shared transform acts on every expert's output before "
+            "the routing puts it back in token order (linear KHA folds into every expert's rows)"
+        )
     if "heads" not in raw.join.values():
         return ""
     counts = ", ".join(f"{r}: {raw.heads.get(r, 1)}" for r in "qkv")
@@ -257,9 +266,6 @@ def plan_joint(
                 )
                 continue
             s = _slot(r, m, handler.param_space)
-            if s is None:
-                bad.append(f"{r}: head layout of {path} is not affine")
-                continue
             out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))
     return out, bad
 

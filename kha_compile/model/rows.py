@@ -33,7 +33,7 @@ def fold_rows(
     keep = (lambda x: x.detach()) if detach else (lambda x: x)
     t32 = keep(t).to(torch.float32)
     w = keep(weight).to(torch.float32)
-    whole = slot.offset == 0 and slot.head_stride == slot.head_dim and slot.span == w.shape[axis]
+    whole = slot.rows is None and slot.offset == 0 and slot.head_stride == slot.head_dim and slot.span == w.shape[axis]
     w_role = w if whole else w.index_select(axis, idx)  # a separate projection: every row is a head row
     if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
         w_new = torch.einsum("jk,hji->hki", t32, w_role.reshape(slot.num_heads, slot.head_dim, -1))

@@ -27,6 +27,7 @@ FORMS = {
     "heads_as_modules_shared_value": (fm.SharedValueNet, lambda: (_x(),), 2),
     "sparse_top_queries": (fm.TopQueries, lambda: (_x(),), 1),
     "sparse_sampled_keys": (fm.SampledKeys, lambda: (_x(),), 1),
+    "fused_qkv_rows_permuted_per_group": (fm.GroupedWqkvNet, lambda: (_x(),), 2),
 }
 
 
@@ -161,3 +162,21 @@ def test_a_cache_nothing_writes_is_named_in_the_reason():
 def test_indexing_the_head_axis_with_a_computed_index_is_refused_with_the_reason():
     with pytest.raises(NoAttentionFoundError, match=r"index_select along axis 1, which holds heads or features"):
         kc.apply(fm.HeadPicked(), kc.KHAConfig(v="linear"), example_args=(_x(),))
+
+
+def test_a_fused_qkv_whose_query_rows_are_a_permutation_takes_an_index_map_and_saves_it(tmp_path):
+    model = fm.GroupedWqkvNet()
+    x = _x()
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=(x,))
+    site = kc.inspect(model, example_args=(x,)).matched[0]
+    assert (site.kind, site.num_heads, site.num_kv_heads) == ("gqa", fm.H, fm.KV)
+    slots = {s.role: s for s in model.blocks[0].wqkv._kha_slots}
+    assert slots["q"].rows is not None and slots["k"].rows is None  # q: an index map; k: affine
+    per_group = (fm.REP + 2) * fm.DH
+    assert slots["q"].index()[fm.REP, 0] == per_group  # the first query head of the second group
+    perturb(model)
+    kc.save_pretrained(model, tmp_path)
+    again = fm.GroupedWqkvNet()
+    again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in k})
+    kc.load_pretrained(again, tmp_path, example_args=(x,))
+    assert torch.equal(again(x), model(x))
