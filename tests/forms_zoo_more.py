@@ -36,7 +36,7 @@ def shared_kha(model: nn.Module, role: str, prefix: str) -> Callable[[Tensor], T
     for name, p in model.named_parameters():
         if not name.startswith(prefix + ".") and prefix:
             continue
-        owner, sep, leaf = name.partition(f".kha.{role}.")
+        owner, sep, leaf = f".{name}".partition(f".kha.{role}.")
         if sep:
             found.setdefault(owner, {})[leaf] = p.detach()
     assert len(found) <= 1, f"{role}: one shared transform expected under {prefix!r}, found {sorted(found)}"
@@ -345,3 +345,65 @@ class GroupedWqkvNet(_TwoOf):
             v = [t["v"](y[..., g, REP + 1, :]) for g in range(KV)]
             x = x + lin(sd, f"{p}.wo", attend(q, k, v))
         return x
+
+
+# ---- 5. routed heads: a mixture of attention heads (JetMoE's MoA) ---------------------------------
+
+EXPERTS, TOP = 4, 2
+
+
+class RoutedHeads(nn.Module):
+    """Each token's router picks TOP of EXPERTS query projections (one (E, KV*Dh, D) parameter); the
+    tokens routed to each expert go through its projection (``split`` by expert, ``F.linear``,
+    ``cat``), ``zeros.index_add`` puts the rows back in token order: TOP * KV query heads per token
+    over KV shared key/value heads; each expert's output projection, weighted by the gates, brings
+    them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(D, EXPERTS, bias=False)
+        self.wq = nn.Parameter(torch.randn(EXPERTS, KV * DH, D) / math.sqrt(D))
+        self.wo = nn.Parameter(torch.randn(EXPERTS, D, KV * DH) / math.sqrt(KV * DH))
+        self.kv = nn.Linear(D, 2 * KV * DH)
+
+    def _route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        top = self.router(flat).topk(TOP, dim=-1)  # (N, TOP)
+        experts = top.indices.flatten()  # (N * TOP,)
+        order = experts.argsort(stable=True)
+        sizes = F.one_hot(experts, EXPERTS).sum(0).tolist()
+        return top.values.softmax(-1).flatten()[order], order, order // TOP, sizes
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        flat = x.reshape(-1, D)  # (N, D)
+        gates, order, token, sizes = self._route(flat)
+        rows = flat[token].split(sizes, dim=0)
+        q = torch.cat([F.linear(r, self.wq[e]) for e, r in enumerate(rows)], dim=0)  # (N * TOP, KV * Dh) by expert
+        q = torch.zeros(b * s * TOP, KV * DH, dtype=x.dtype).index_add(0, order, q)  # token order
+        q = q.view(b, s, TOP * KV, DH).transpose(1, 2)  # (B, TOP * KV, S, Dh)
+        k, v = (t.view(b, s, KV, DH).transpose(1, 2).repeat(1, TOP, 1, 1) for t in self.kv(x).chunk(2, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b * s * TOP, KV * DH)
+        back = o[order].split(sizes, dim=0)
+        y = torch.cat([F.linear(r, self.wo[e]) for e, r in enumerate(back)], dim=0) * gates[:, None]
+        return x + torch.zeros(b * s, D, dtype=x.dtype).index_add(0, token, y).view(b, s, D)
+
+    def reference(self, x: Tensor) -> Tensor:
+        sd = self.state_dict()
+        t = {r: shared_kha(self, r, "") for r in "qkv"}
+        b, s, _ = x.shape
+        flat = x.reshape(-1, D)
+        top = F.linear(flat, sd["router.weight"]).topk(TOP, dim=-1)
+        gates = top.values.softmax(-1)  # (N, TOP)
+        kv = F.linear(x, sd["kv.weight"], sd["kv.bias"]).unflatten(-1, (2, KV, DH))  # (B, S, 2, KV, Dh)
+        k, v = t["k"](kv[:, :, 0]), t["v"](kv[:, :, 1])  # (B, S, KV, Dh)
+        out = torch.zeros(b * s, D)
+        for n in range(b * s):
+            bi = n // s
+            for i in range(TOP):
+                e = int(top.indices[n, i])
+                qn = t["q"]((sd["wq"][e] @ flat[n]).view(KV, DH))  # (KV, Dh): this slot's heads
+                o = torch.stack(
+                    [torch.softmax(k[bi, :, h] @ qn[h] / math.sqrt(DH), dim=0) @ v[bi, :, h] for h in range(KV)]
+                )
+                out[n] += gates[n, i] * (sd["wo"][e] @ o.flatten())
+        return x + out.view(b, s, D)

@@ -28,6 +28,7 @@ FORMS = {
     "sparse_top_queries": (fm.TopQueries, lambda: (_x(),), 1),
     "sparse_sampled_keys": (fm.SampledKeys, lambda: (_x(),), 1),
     "fused_qkv_rows_permuted_per_group": (fm.GroupedWqkvNet, lambda: (_x(),), 2),
+    "routed_heads_mixture_of_attention": (fm.RoutedHeads, lambda: (_x(),), 1),
 }
 
 
@@ -180,3 +181,11 @@ def test_a_fused_qkv_whose_query_rows_are_a_permutation_takes_an_index_map_and_s
     again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in k})
     kc.load_pretrained(again, tmp_path, example_args=(x,))
     assert torch.equal(again(x), model(x))
+
+
+def test_routed_heads_fold_into_every_expert_and_the_report_says_so():
+    model = fm.RoutedHeads()
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear"), example_args=(_x(),))
+    (site,) = kc.inspect(model, example_args=(_x(),)).matched
+    assert "routed heads (mixture of attention heads)" in site.note and f"({fm.EXPERTS} calls)" in site.note
+    assert sorted(kha_params(model)) == ["kha.q.weight", "kv.kha.k.weight", "kv.kha.v.weight"]
