@@ -407,3 +407,78 @@ class RoutedHeads(nn.Module):
                 )
                 out[n] += gates[n, i] * (sd["wo"][e] @ o.flatten())
         return x + out.view(b, s, D)
+
+
+# ---- 6. message-passing (graph) attention with heads: a segment softmax from scatter ops ---------
+
+
+def segment_softmax(score: Tensor, index: Tensor, n: int) -> Tensor:
+    """Softmax of per-edge scores (E, H) over the edges of each target node (PyG's ``softmax``)."""
+    top = torch.full((n, score.shape[1]), float("-inf")).scatter_reduce(
+        0, index[:, None].expand_as(score), score, "amax", include_self=True
+    )
+    e = (score - top[index]).exp()
+    return e / (torch.zeros(n, score.shape[1]).index_add(0, index, e)[index] + 1e-16)
+
+
+class GraphAttnLayer(nn.Module):
+    """PyG's ``TransformerConv`` written out: per-edge scores q[dst] . k[src], the segment softmax,
+    values v[src] summed per target with ``index_add``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        src, dst = edge_index
+        n = x.shape[0]
+        q, k, v = (m(x).view(n, H, DH) for m in (self.q, self.k, self.v))  # (N, H, Dh)
+        alpha = segment_softmax((q[dst] * k[src]).sum(-1) / math.sqrt(DH), dst, n)  # (E, H)
+        out = torch.zeros(n, H, DH).index_add(0, dst, v[src] * alpha[..., None])
+        return x + self.o(out.view(n, D))
+
+
+class GraphAttnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([GraphAttnLayer(), GraphAttnLayer()])
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, edge_index)
+        return x
+
+    def reference(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        sd = self.state_dict()
+        src, dst = edge_index.tolist()
+        for i in range(2):
+            p = f"layers.{i}"
+            t = {r: shared_kha(self, r, p) for r in "qkv"}
+            q, k, v = (torch.stack([t[r](h) for h in _split(lin(sd, f"{p}.{r}", x))], dim=1) for r in "qkv")
+            out = torch.zeros(x.shape[0], H, DH)
+            for node in range(x.shape[0]):
+                edges = [e for e, d in enumerate(dst) if d == node]
+                if not edges:
+                    continue
+                ks, vs = k[[src[e] for e in edges]], v[[src[e] for e in edges]]  # (n_in, H, Dh)
+                for h in range(H):
+                    a = torch.softmax(ks[:, h] @ q[node, h] / math.sqrt(DH), dim=0)
+                    out[node, h] = a @ vs[:, h]
+            x = x + lin(sd, f"{p}.o", out.reshape(-1, D))
+        return x
+
+
+class AdditiveGraphAttn(nn.Module):
+    """GAT: additive scores from learned per-head vectors, a segment softmax, values summed per target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.att_src, self.att_dst = nn.Parameter(torch.randn(1, H, DH)), nn.Parameter(torch.randn(1, H, DH))
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        src, dst = edge_index
+        h = self.lin(x).view(-1, H, DH)
+        a_src, a_dst = (h * self.att_src).sum(-1), (h * self.att_dst).sum(-1)  # (N, H)
+        alpha = segment_softmax(F.leaky_relu(a_src[src] + a_dst[dst], 0.2), dst, x.shape[0])
+        return torch.zeros_like(h).index_add(0, dst, h[src] * alpha[..., None]).view(-1, D)

@@ -20,6 +20,10 @@ def _x(seed: int = 0, shape: tuple[int, ...] = (B, S, D)) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _edges(n: int = 30, e: int = 90) -> torch.Tensor:
+    return torch.randint(0, n, (2, e), generator=torch.Generator().manual_seed(5))
+
+
 # name -> (model class, inputs, sites)
 FORMS = {
     "heads_as_modules_concatenated": (fm.HeadModulesNet, lambda: (_x(),), 2),
@@ -29,6 +33,7 @@ FORMS = {
     "sparse_sampled_keys": (fm.SampledKeys, lambda: (_x(),), 1),
     "fused_qkv_rows_permuted_per_group": (fm.GroupedWqkvNet, lambda: (_x(),), 2),
     "routed_heads_mixture_of_attention": (fm.RoutedHeads, lambda: (_x(),), 1),
+    "graph_attention_segment_softmax": (fm.GraphAttnNet, lambda: (_x(0, (30, D)), _edges()), 2),
 }
 
 
@@ -189,3 +194,10 @@ def test_routed_heads_fold_into_every_expert_and_the_report_says_so():
     (site,) = kc.inspect(model, example_args=(_x(),)).matched
     assert "routed heads (mixture of attention heads)" in site.note and f"({fm.EXPERTS} calls)" in site.note
     assert sorted(kha_params(model)) == ["kha.q.weight", "kv.kha.k.weight", "kv.kha.v.weight"]
+
+
+def test_graph_attention_with_additive_scores_is_a_skipped_site_with_the_reason():
+    report = kc.inspect(fm.AdditiveGraphAttn(), example_args=(_x(0, (30, D)), _edges()))
+    (site,) = report.sites
+    assert site.status == "skipped" and site.anchor == "segment_softmax"
+    assert "additive attention, as GAT" in site.reason
