@@ -105,6 +105,51 @@ class NotLayout(Exception):
     pass
 
 
+def _as_strided(idx: Tensor, node: Node, size: Any, stride: Any, offset: Any = None) -> Tensor:
+    """``as_strided`` read off the storage: the input's elements are written to the storage positions
+    its strides address (from the traced metadata), then read back with the op's strides
+    (Longformer's overlapping chunks). Every position read must be one the input wrote."""
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    if not isinstance(src, Tensor):
+        raise NotLayout("as_strided of an input without metadata")
+    try:
+        s_stride, s_off = [int(x) for x in src.stride()], int(src.storage_offset())
+        size, stride = [int(x) for x in size], [int(x) for x in stride]
+        off = s_off if offset is None else int(offset)
+    except Exception as exc:  # symbolic strides
+        raise NotLayout("as_strided with symbolic strides") from exc
+    if tuple(idx.shape) != tuple(src.shape):
+        raise NotLayout("as_strided: the index does not have the input's shape")
+    extent = 1 + max(
+        s_off + sum((n - 1) * st for n, st in zip(idx.shape, s_stride)),
+        off + sum((n - 1) * st for n, st in zip(size, stride)),
+    )
+    storage = torch.full((extent,), -1, dtype=idx.dtype)
+    storage.as_strided(tuple(idx.shape), s_stride, s_off).copy_(idx)
+    out = storage.as_strided(size, stride, off).clone()
+    if bool((out < 0).any()):
+        raise NotLayout("as_strided reads storage its input does not hold")
+    return out
+
+
+def _pad(idx: Tensor, node: Node, pad: Any, *_a: Any, **_k: Any) -> Tensor:
+    """Constant padding along token axes (the padded rows hold no feature): the index is a broadcast copy
+    there; padding the feature axis is not a layout."""
+    out = shape_of(node)
+    if out is None or not isinstance(pad, (list, tuple)):
+        raise NotLayout("pad without a static shape")
+    for i in range(0, len(pad), 2):
+        axis = idx.dim() - 1 - i // 2
+        if pad[i] == 0 and pad[i + 1] == 0:
+            continue
+        if axis == idx.dim() - 1:
+            raise NotLayout("padding along the feature axis")
+        if idx.shape[axis] > 1 and varies(idx, axis):
+            raise NotLayout(f"padding along axis {axis}, which holds heads")
+        idx = idx.narrow(axis, 0, 1)
+    return idx.expand(out)
+
+
 # Ops whose output features are a rearrangement of the input's (target -> how to apply to an index tensor).
 LAYOUT_OPS: dict[Any, Callable] = {}
 for _op in (
@@ -143,6 +188,9 @@ LAYOUT_OPS.update(
             lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)
         ),
         operator.getitem: _call(operator.getitem),
+        aten.as_strided.default: _as_strided,
+        aten.pad.default: _pad,
+        aten.constant_pad_nd.default: _pad,
         # complex RoPE (Llama-2 reference code): pairs of features become one complex number and back
         aten.view_as_complex.default: _call(lambda t: torch.view_as_complex(t.double().contiguous())),
         aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
