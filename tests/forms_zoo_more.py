@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forms_zoo import D, DH, H, attend, from_heads, lin, to_heads
+from forms_zoo import DH, D, H, attend, from_heads, lin, to_heads
 from projection_reference import spec_transform
 
 
@@ -482,3 +482,82 @@ class AdditiveGraphAttn(nn.Module):
         a_src, a_dst = (h * self.att_src).sum(-1), (h * self.att_dst).sum(-1)  # (N, H)
         alpha = segment_softmax(F.leaky_relu(a_src[src] + a_dst[dst], 0.2), dst, x.shape[0])
         return torch.zeros_like(h).index_add(0, dst, h[src] * alpha[..., None]).view(-1, D)
+
+
+# ---- 7. sliding-window attention written as chunked einsums (transformers' Longformer) ------------
+
+WINDOW = 4  # one-sided: each token sees WINDOW tokens on each side
+
+
+def longformer_attention() -> nn.Module:
+    """transformers' ``LongformerSelfAttention`` (its own code: overlapping chunks by ``as_strided``,
+    score einsum, diagonals padded into a band, softmax, padded values, chunked value einsum)."""
+    from transformers import LongformerConfig
+    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+    cfg = LongformerConfig(
+        hidden_size=D, num_attention_heads=H, attention_window=[2 * WINDOW], attention_probs_dropout_prob=0.0
+    )
+    return LongformerSelfAttention(cfg, layer_id=0)
+
+
+def longformer_inputs(x: Tensor) -> tuple:
+    mask = torch.zeros(x.shape[:2])  # every token local, none masked, none global
+    return (x, mask, mask < 0, mask > 0, False)
+
+
+def longformer_reference(model: nn.Module, x: Tensor) -> Tensor:
+    """Each token attends to the tokens within WINDOW of it, head by head, with the shared KHA."""
+    sd = model.state_dict()
+    q, k, v = (
+        [shared_kha(model, r, "")(h) for h in _split(lin(sd, name, x))]
+        for r, name in (("q", "query"), ("k", "key"), ("v", "value"))
+    )
+    i = torch.arange(x.shape[1])
+    outside = (i[:, None] - i[None, :]).abs() > WINDOW
+    return attend(q, k, v, torch.zeros(outside.shape).masked_fill(outside, float("-inf")))
+
+
+# ---- 8. keys equal to values: one kv projection read as both (DeepSeek-V4) ----------------------
+
+
+def rope(x: Tensor) -> Tensor:
+    """Rotary embedding over (..., S, Dh) (rotate-half form)."""
+    d, n = x.shape[-1] // 2, x.shape[-2]
+    t = torch.arange(n, dtype=torch.float32)[:, None] * torch.arange(d)[None] / d
+    c, s = t.cos(), t.sin()
+    return torch.cat([x[..., :d] * c - x[..., d:] * s, x[..., :d] * s + x[..., d:] * c], -1)
+
+
+class SharedKV(nn.Module):
+    """One kv head (``kv``, RMSNorm, RoPE) read as keys and as values; ``manual``: the softmax written
+    out over the kv head broadcast to every query head, else SDPA(q, kv, kv)."""
+
+    manual = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(D, D), nn.Linear(D, DH), nn.Linear(D, D)
+        self.norm = nn.RMSNorm(DH)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = rope(to_heads(self.q(x)))  # (B, H, S, Dh)
+        kv = rope(self.norm(self.kv(x)))[:, None].expand(-1, H, -1, -1)  # (B, H, S, Dh): one head, broadcast
+        if self.manual:
+            p = torch.softmax(q @ kv.transpose(-1, -2) / math.sqrt(DH), dim=-1)
+            return x + self.o(from_heads(p @ kv))
+        return x + self.o(from_heads(F.scaled_dot_product_attention(q, kv, kv)))
+
+    def reference(self, x: Tensor) -> Tensor:
+        """T^K on the key path and T^V on the value path after the shared norm and RoPE, where they part."""
+        sd = self.state_dict()
+        t = {r: shared_kha(self, r, "") for r in "qkv"}
+        q = [rope(t["q"](h)) for h in _split(lin(sd, "q", x))]
+        kv = rope(F.rms_norm(lin(sd, "kv", x), (DH,), sd["norm.weight"]))
+        return x + lin(sd, "o", attend(q, [t["k"](kv)], [t["v"](kv)]))
+
+
+class SharedKVManual(SharedKV):
+    manual = True

@@ -29,8 +29,8 @@ __all__ = [
     "push_layout",
     "read_head_map",
     "shape_of",
-    "token_shape",
     "slot_from_map",
+    "token_shape",
     "varies",
 ]
 

@@ -22,6 +22,7 @@ from typing import cast
 import torch
 from torch.fx import Node
 
+from .attention_calls import AttentionArg, attention_arg
 from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
 from .heads import group_heads
@@ -47,6 +48,9 @@ class RoleMatch:
     rope: bool
     qk_norm: bool
     joined: bool = False  # the walk went through a sequence-axis cat with other projections (joint streams)
+    # keys and values are the same features of one projection (k = v): the role's transform goes on
+    # the attention call's argument instead (.attention_calls)
+    at_attention: AttentionArg | None = None
 
 
 @dataclasses.dataclass
@@ -289,6 +293,19 @@ def _latent_projection(g: MatchGraph, proj: Projection, scope: str, depth: int =
     return None
 
 
+def _split_shared_kv(g: MatchGraph, site: RawSite, anchor: Anchor) -> None:
+    """k = v (the same features of one projection): give k and v their attention-call arguments."""
+    k, v = site.roles.get("k"), site.roles.get("v")
+    if k is None or v is None or k.projection.node is not v.projection.node or site.joint:
+        return
+    if not set(k.head_map.index.flatten().tolist()) & set(v.head_map.index.flatten().tolist()):
+        return
+    args = {r: attention_arg(g, anchor.node, anchor.roles[r], anchor.head_axes.get(r, -1), r) for r in "kv"}
+    if args["k"] is not None and args["v"] is not None:
+        site.roles["k"] = dataclasses.replace(k, at_attention=args["k"])
+        site.roles["v"] = dataclasses.replace(v, at_attention=args["v"])
+
+
 def _anchors(g: MatchGraph) -> list[Anchor]:
     """The anchor of each attention op: the first registered rule that recognises it; then an
     ``unmatched`` anchor for each attention softmax no rule claimed (:mod:`.completeness`)."""
@@ -360,6 +377,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 site.joint[role], site.join[role] = others, join
         if problems:
             site.reason = "; ".join(problems)
+        _split_shared_kv(g, site, anchor)
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
             site.mla = (

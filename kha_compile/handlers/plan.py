@@ -93,6 +93,10 @@ def build_sites(
                 sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
+            homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
+                r: rename(handlers[r][0].entry_path(raw.roles[r])) if handlers[r][0] is not None else paths[r]
+                for r in "qkv"
+            }
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
             others = {
                 r: [rename(p) for p in dict.fromkeys(m.projection.module_path for m in ms) if p != paths_own[r]]
@@ -116,7 +120,7 @@ def build_sites(
                 joint=others,
                 join=dict(raw.join),
             )
-            current_transforms(model, site, paths)
+            current_transforms(model, site, homes)
             notes = [
                 h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
@@ -124,7 +128,7 @@ def build_sites(
             site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
-                path = paths[r]
+                path = homes[r]
                 entry = plan.setdefault(
                     path,
                     PlanEntry(
@@ -211,6 +215,8 @@ def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
         a, b = raw.roles[r1], raw.roles[r2]
         if a.projection.node is not b.projection.node or not (r1 in kinds or r2 in kinds):
             continue
+        if a.at_attention is not None and b.at_attention is not None:
+            continue  # k = v: each transform goes on its own attention argument
         common = set(a.head_map.index.flatten().tolist()) & set(b.head_map.index.flatten().tolist())
         if common:
             out.append(

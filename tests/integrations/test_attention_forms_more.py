@@ -201,3 +201,48 @@ def test_graph_attention_with_additive_scores_is_a_skipped_site_with_the_reason(
     (site,) = report.sites
     assert site.status == "skipped" and site.anchor == "segment_softmax"
     assert "additive attention, as GAT" in site.reason
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_sliding_window_attention_written_as_chunked_einsums_matches_a_per_head_reference(v):
+    """transformers' Longformer code: no value einsum right after the softmax (band padding between)."""
+    pytest.importorskip("transformers")
+    x = _x(0, (B, 32, D))
+    args = fm.longformer_inputs(x)
+    check_form(
+        fm.longformer_attention,
+        args,
+        v,
+        sites=1,
+        anchor="einsum_softmax",
+        qk=True,
+        output=lambda y: y[0],
+        reference=lambda m: fm.longformer_reference(m, x),
+    )
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+@pytest.mark.parametrize("cls", [fm.SharedKV, fm.SharedKVManual], ids=["sdpa", "manual_softmax"])
+def test_keys_equal_to_values_get_their_transforms_on_the_attention_arguments(cls, v):
+    """k = v: T^K and T^V on the key and value paths where they part; they do not fold, q does."""
+    x = _x()
+    torch.manual_seed(0)
+    model = cls().eval()
+    with torch.no_grad():
+        before = model(x)
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v=v), example_args=(x,))
+    (site,) = kc.inspect(model, example_args=(x,)).matched
+    assert (site.num_heads, site.num_kv_heads, site.transforms["k"]) == (fm.H, 1, "linear")
+    assert "k = v" in site.note and "not foldable" in site.note
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+        perturb(model)
+        moved = model(x)
+        assert (moved - before).abs().max() > 1e-3
+        torch.testing.assert_close(moved, model.reference(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(kc.KHAError, match="cannot both fold into one weight"):
+        kc.fold(model)
+    kc.fold(model, strict=False)  # T^Q folds into q; T^K and T^V stay on the attention arguments
+    assert sorted(kha_params(model)) == sorted(n for n in kha_params(model) if n.startswith("kha."))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), moved, rtol=1e-5, atol=1e-5)
