@@ -143,7 +143,7 @@ class MatchGraph:
         self.exported = exported
         inline_wrappers(exported.graph_module)  # autocast / grad-mode regions: their ops, in line
         self.graph = exported.graph
-        self.order = _order(self.graph)
+        self.order: dict[Node, float] = dict(_order(self.graph))  # a written placeholder sits after its writes
         sig = exported.graph_signature
         self.params: dict[str, str] = dict(sig.inputs_to_parameters)
         self.buffers: dict[str, str] = dict(sig.inputs_to_buffers)

@@ -66,7 +66,7 @@ def _sources(g: MatchGraph, outputs: dict[Node, int]) -> dict[Node, frozenset[in
         if t in _JOIN_OPS:
             items = n.args[0] if isinstance(n.args[0], (list, tuple)) else []
             if items and all(isinstance(a, Node) and a in src for a in items):
-                src[n] = frozenset().union(*(src[a] for a in items))  # type: ignore[index]
+                src[n] = frozenset().union(*(src[a] for a in items))
         elif t is aten.add.Tensor and len(nodes) == 2 and all(a in src for a in nodes):
             src[n] = src[nodes[0]] | src[nodes[1]]
         elif (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -279,7 +279,7 @@ def constant_index(node: Any, constants: dict[str, Tensor], depth: int = 0) -> T
 
     kwargs = {k: v for k, v in node.kwargs.items() if k not in ("device", "pin_memory", "layout")}
     try:
-        out = node.target(*value(node.args), **value(kwargs))
+        out = cast(Callable, node.target)(*value(node.args), **value(kwargs))
     except (NotLayout, RuntimeError, TypeError, ValueError, IndexError):
         return None
     return out if isinstance(out, Tensor) and out.numel() <= _CONST_MAX_NUMEL else None

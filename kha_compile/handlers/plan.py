@@ -94,8 +94,7 @@ def build_sites(
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
             homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
-                r: rename(handlers[r][0].entry_path(raw.roles[r])) if handlers[r][0] is not None else paths[r]
-                for r in "qkv"
+                r: rename(h.entry_path(raw.roles[r])) if (h := handlers[r][0]) is not None else paths[r] for r in "qkv"
             }
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
             others = {

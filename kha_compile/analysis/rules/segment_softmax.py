@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Node
@@ -61,7 +61,7 @@ def _is_sum(node: Node) -> bool:
     return node.target in _SCATTER_SUM
 
 
-def _back(node: Any, ops: set, depth: int = 8) -> Any:
+def _back(node: Any, ops: Any, depth: int = 8) -> Any:
     """``node`` seen back through ``ops`` (first argument), e.g. views and an added epsilon."""
     for _ in range(depth):
         if not isinstance(node, Node) or node.op != "call_function" or node.target not in ops or not node.args:
@@ -146,7 +146,7 @@ class SegmentSoftmaxRule:
         if found is None:
             return None
         total, segment = found
-        summed = _back(total.args[_SCATTER_SUM[total.target]], _PASS)
+        summed = _back(total.args[_SCATTER_SUM[cast(Any, total.target)]], _PASS)
         if summed is not num_src and summed is not num:
             return None
         why = f"segment softmax {node.name} (exp / a scatter-sum of it over each target's edges)"
