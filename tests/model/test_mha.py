@@ -3,14 +3,14 @@ bit-exact at init against the untouched model, also when fed permuted (non-conti
 
 The reference is a deep copy taken before ``kc.apply`` and run in the same grad mode. Linear KHA
 keeps torch's own forward (fast paths included) on the folded in-projection, so it must equal the
-untouched model as it runs by default. MLP-value cannot fold, so it keeps the fast paths off and
-runs the regular path: it must equal the untouched model with the fast path switched off
-(``torch.backends.mha.set_fastpath_enabled(False)``), bit for bit.
+untouched model as it runs by default. MLP-value cannot fold; while it holds exactly its
+identity-init tensors it changes nothing, so without a gradient the module keeps torch's own
+forward (fast paths included) too: it must equal the untouched model as it runs by default, bit
+for bit. Once trained (perturbed) it runs the regular path with the transform.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import os
@@ -75,24 +75,13 @@ class PermutedEncoderLayer(nn.Module):
         return self.layer(_non_contiguous(x) if self.batch_first else x.permute(1, 0, 2))
 
 
-@contextlib.contextmanager
-def _fast_path(enabled: bool):
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
-
-
 def _assert_identity_exact(ref: nn.Module, model: nn.Module, args: tuple, cfg_name: str) -> None:
-    """Under grad and under no_grad, ``model`` (KHA at init) equals ``ref`` (untouched) bit for bit."""
-    foldable = cfg_name != "mlp"
+    """Under grad and under no_grad, ``model`` (KHA at init) equals ``ref`` (untouched, torch's default
+    paths, the fused fast path under no_grad included) bit for bit."""
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             got = model(*args)
-            with _fast_path(foldable):  # MLP-value runs the regular path: compare with the regular path
-                want = ref(*args)
+            want = ref(*args)
         diff = (got - want).abs().max().item()
         assert torch.equal(got, want), f"grad={grad}: max |KHA - untouched| = {diff:.3g}"
 
@@ -182,3 +171,28 @@ def test_bit_exact_identity_holds_on_avx2_kernels_too():
         timeout=120,
     )
     assert probe.stdout.strip() == "AVX2"
+
+
+def test_mlp_value_off_identity_runs_the_regular_path_and_trains_through_its_transform():
+    """The fast path at identity is a shortcut only: a moved MLP-value (no_grad) is applied, equal to the
+    regular path under grad; with the in-projection frozen, a backward still reaches the transform."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 32)
+    kc.apply(layer, kc.KHAConfig(v="mlp"), example_args=(x,))
+    for p in layer.self_attn.parameters():
+        if all(p is not q for q in layer.self_attn.kha.parameters()):
+            p.requires_grad_(False)
+    kha = [p for n, p in layer.self_attn.named_parameters() if n.startswith("kha.")]
+    for p in kha:
+        p.requires_grad_(True)
+    layer(x).sum().backward()  # at identity, under grad: the regular path, the gate gets a gradient
+    assert all(p.grad is not None for p in kha) and bool(layer.self_attn.kha["v"].gate.grad.abs().sum() > 0)
+    with torch.no_grad():
+        layer.self_attn.kha["v"].gate.add_(0.1)
+        moved = layer(x)
+        assert (moved - ref(x)).abs().max() > 1e-3
+    with torch.enable_grad():
+        regular = layer(x).detach()
+    torch.testing.assert_close(moved, regular, rtol=1e-5, atol=1e-6)
