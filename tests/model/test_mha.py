@@ -196,3 +196,42 @@ def test_mlp_value_off_identity_runs_the_regular_path_and_trains_through_its_tra
     with torch.enable_grad():
         regular = layer(x).detach()
     torch.testing.assert_close(moved, regular, rtol=1e-5, atol=1e-6)
+
+
+def _mha_reference(attn: nn.Module, q_in: torch.Tensor, kv_in: torch.Tensor, v_in: torch.Tensor) -> torch.Tensor:
+    """Batch-first ``nn.MultiheadAttention`` with separate q/k/v weights, head by head from the stored
+    parameters, each head vector through the role's KHA transform (``x @ T``)."""
+    sd = attn.state_dict()
+    E, H = attn.embed_dim, attn.num_heads
+    b = sd["in_proj_bias"]
+    t = {r: sd[f"kha.{r}.weight"] for r in "qkv"}
+    q, k, v = (
+        F.linear(inp, sd[f"{r}_proj_weight"], b[i * E : (i + 1) * E]).unflatten(-1, (H, -1)).transpose(1, 2) @ t[r]
+        for i, (r, inp) in enumerate((("q", q_in), ("k", kv_in), ("v", v_in)))
+    )  # (B, H, L, Dh)
+    o = torch.softmax(q @ k.transpose(-1, -2) / (E // H) ** 0.5, dim=-1) @ v
+    return F.linear(o.transpose(1, 2).flatten(2), sd["out_proj.weight"], sd["out_proj.bias"])
+
+
+def test_multihead_attention_with_kdim_and_vdim_folds_each_role_into_its_own_bias_slice():
+    """Separate q/k/v weights (kdim, vdim) and a packed bias: weight-side inference and kc.fold put each
+    role's T into its own slice of in_proj_bias, checked against a per-head reference."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(32, 4, kdim=24, vdim=20, batch_first=True).eval()
+    with torch.no_grad():
+        attn.in_proj_bias.normal_()  # trained-like: torch initialises it to zeros
+    q_in, k_in, v_in = torch.randn(2, 50, 32), torch.randn(2, 60, 24), torch.randn(2, 60, 20)
+    kc.apply(attn, LINEAR, example_args=(q_in, k_in, v_in))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in attn.kha.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+        want = _mha_reference(attn, q_in, k_in, v_in)
+        weight_side = attn(q_in, k_in, v_in, need_weights=False)[0]  # no gradient: folded in-projection
+    token_side = attn(q_in, k_in, v_in)[0].detach()
+    torch.testing.assert_close(weight_side, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(token_side, want, rtol=1e-4, atol=1e-5)
+    kc.fold(attn)
+    assert type(attn) is nn.MultiheadAttention
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q_in, k_in, v_in, need_weights=False)[0], want, rtol=1e-4, atol=1e-5)
