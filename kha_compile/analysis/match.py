@@ -164,6 +164,9 @@ def _role_match(
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
+        conv = _temporal_conv(path)
+        if conv:
+            return None, f"{role}: {conv}"
         return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (
             f" ({stop})" if stop else ""
         )
@@ -172,6 +175,23 @@ def _role_match(
     )
     qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), ""
+
+
+_CONV_OPS = {aten.conv1d.default, aten.convolution.default}
+
+
+def _temporal_conv(path: list[Node]) -> str:
+    """Why a convolution over the sequence between the projection and the attention defeats KHA, or ''."""
+    for n in path:
+        w = n.args[1] if n.op == "call_function" and n.target in _CONV_OPS and len(n.args) > 1 else None
+        shape = shape_of(w) if isinstance(w, Node) else None
+        if shape is not None and len(shape) == 3 and shape[-1] > 1:
+            return (
+                f"the head vector is mixed over the sequence by a convolution ({n.name}, kernel {shape[-1]}) between "
+                "its projection and the attention (compressed convolutional attention, as ZAYA's CCA); a shared "
+                "transform after the projection would not commute with it"
+            )
+    return ""
 
 
 _SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)

@@ -246,3 +246,21 @@ def test_keys_equal_to_values_get_their_transforms_on_the_attention_arguments(cl
     assert sorted(kha_params(model)) == sorted(n for n in kha_params(model) if n.startswith("kha."))
     with torch.no_grad():
         torch.testing.assert_close(model(x), moved, rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_vector_mixed_over_the_sequence_by_a_convolution_is_skipped_naming_the_form():
+    """ZAYA's compressed convolutional attention: q and k convolved over time after their projections."""
+
+    class ConvQK(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(D, D) for _ in range(3))
+            self.conv = torch.nn.Conv1d(2 * D, 2 * D, 3, groups=2 * fm.H, padding=2)
+
+        def forward(self, x):
+            qk = self.conv(torch.cat([self.q(x), self.k(x)], -1).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+            q, k = (fm.to_heads(t) for t in qk.split(D, -1))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, fm.to_heads(self.v(x)))
+
+    (site,) = kc.inspect(ConvQK(), example_args=(_x(),)).sites
+    assert site.status == "skipped" and "mixed over the sequence by a convolution" in site.reason
