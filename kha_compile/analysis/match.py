@@ -383,7 +383,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
                 matches = []
             if not matches:
-                problems.append("; ".join(whys))
+                problems.append("; ".join(dict.fromkeys(whys)))
                 continue
             per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
             chosen, others, join, problem = resolve_role(g, role, target, per_head)
