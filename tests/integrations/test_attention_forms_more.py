@@ -255,11 +255,13 @@ def test_a_head_vector_mixed_over_the_sequence_by_a_convolution_is_skipped_namin
         def __init__(self) -> None:
             super().__init__()
             self.q, self.k, self.v = (torch.nn.Linear(D, D) for _ in range(3))
-            self.conv = torch.nn.Conv1d(2 * D, 2 * D, 3, groups=2 * fm.H, padding=2)
+            self.conv_q, self.conv_k = (torch.nn.Conv1d(D, D, 3, groups=fm.H, padding=2) for _ in range(2))
+
+        def causal(self, conv, y):  # (B, S, D) -> a causal convolution over the sequence, per head
+            return conv(y.transpose(1, 2))[..., : y.shape[1]].transpose(1, 2)
 
         def forward(self, x):
-            qk = self.conv(torch.cat([self.q(x), self.k(x)], -1).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
-            q, k = (fm.to_heads(t) for t in qk.split(D, -1))
+            q, k = fm.to_heads(self.causal(self.conv_q, self.q(x))), fm.to_heads(self.causal(self.conv_k, self.k(x)))
             return torch.nn.functional.scaled_dot_product_attention(q, k, fm.to_heads(self.v(x)))
 
     (site,) = kc.inspect(ConvQK(), example_args=(_x(),)).sites
