@@ -266,3 +266,24 @@ def test_a_head_vector_mixed_over_the_sequence_by_a_convolution_is_skipped_namin
 
     (site,) = kc.inspect(ConvQK(), example_args=(_x(),)).sites
     assert site.status == "skipped" and "mixed over the sequence by a convolution" in site.reason
+
+
+@pytest.mark.parametrize("cls", [fm.SharedValueNet, fm.SharedKV], ids=["heads_as_modules", "k_equals_v"])
+def test_save_load_and_remove_keep_and_drop_the_shared_transforms(cls, tmp_path):
+    x = _x()
+    torch.manual_seed(0)
+    model = cls()
+    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=(x,))
+    perturb(model)
+    kc.save_pretrained(model, tmp_path)
+    again = cls()
+    again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in f".{k}"})
+    kc.load_pretrained(again, tmp_path, example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+    kc.remove(again)
+    assert not kha_params(again) and all(type(m).__module__ != "kha_compile.model.attention_inputs" for m in again.modules())
+    untouched = cls()
+    untouched.load_state_dict(again.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(x), untouched(x))  # the original model, its classes and keys back
