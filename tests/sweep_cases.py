@@ -51,6 +51,8 @@ CI_TYPES = (
     "squeezebert",  # grouped 1x1 Conv1d projections in (B, C, T)
     "longt5",  # block-local plus global tokens
     "perceiver",  # a generic main input that takes input_ids
+    "deepseek_v4",  # k = v from one kv projection: transforms on the attention arguments, not foldable
+    "jetmoe",  # routed heads: expert query projections with data-dependent row counts
 )
 
 KHA_CONFIGS: dict[str, dict[str, str]] = {
