@@ -282,7 +282,9 @@ def test_save_load_and_remove_keep_and_drop_the_shared_transforms(cls, tmp_path)
     with torch.no_grad():
         assert torch.equal(again(x), model(x))
     kc.remove(again)
-    assert not kha_params(again) and all(type(m).__module__ != "kha_compile.model.attention_inputs" for m in again.modules())
+    assert not kha_params(again) and all(
+        type(m).__module__ != "kha_compile.model.attention_inputs" for m in again.modules()
+    )
     untouched = cls()
     untouched.load_state_dict(again.state_dict())
     with torch.no_grad():
