@@ -130,6 +130,9 @@ def note(recs: list[dict]) -> str:
         skipped = [s for s in rec.get("sites", []) if s[1] != "matched"]
         if skipped:
             return f"skipped {skipped[0][0]}: {skipped[0][2][:120]}"
+    kept = next((rec["fold_kept"] for rec in recs if rec.get("fold_kept")), None)
+    if kept:
+        return f"k = v: T^K, T^V on the attention arguments, not foldable; fold keeps them ({len(kept)} modules)"
     path = recs[0].get("trace_path", "") if recs else ""
     return f"traced {path}" if path and not path.startswith(("one block", "whole model")) else ""
 

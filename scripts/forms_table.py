@@ -197,6 +197,70 @@ FORMS = [
     ),
 ]
 
+MORE = "tests/integrations/test_attention_forms_more.py"
+FORMS += [
+    Form(name, rule, rf"{MORE}::{test}", "-", "CPU and GPU")
+    for name, rule, test in [
+        (
+            "heads as separate modules: a list of per-head q/k(/v) projections, one call each, outputs concatenated",
+            "manual_softmax",
+            r"test_form_matches_a_per_head_reference\[heads_as_modules_concatenated-",
+        ),
+        (
+            "heads as separate modules, outputs averaged (`stack(...).mean(0)`)",
+            "manual_softmax",
+            r"test_form_matches_a_per_head_reference\[heads_as_modules_averaged-",
+        ),
+        (
+            "per-head q and k projection lists, one value projection shared by all heads, outputs summed",
+            "sdpa",
+            r"test_form_matches_a_per_head_reference\[heads_as_modules_shared_value-",
+        ),
+        (
+            "KV cache written in place (slice assignment, `index_put_`, `index_copy_`; buffer or list argument), "
+            "prefill and decode",
+            "manual_softmax / sdpa",
+            r"test_kv_cache_written_in_place_prefill_and_decode",
+        ),
+        (
+            "sparse query selection: top queries gathered with a computed index (Informer's ProbSparse)",
+            "manual_softmax",
+            r"test_form_matches_a_per_head_reference\[sparse_top_queries-",
+        ),
+        (
+            "sampled keys and values (`index_select` along the sequence with a computed index)",
+            "sdpa",
+            r"test_form_matches_a_per_head_reference\[sparse_sampled_keys-",
+        ),
+        (
+            "fused wqkv whose query rows are a permutation (per kv group, InternLM2 / torchtitan): an index map",
+            "sdpa",
+            r"test_form_matches_a_per_head_reference\[fused_qkv_rows_permuted_per_group-",
+        ),
+        (
+            "routed heads: a mixture of attention heads (JetMoE), expert query projections, top-k per token",
+            "sdpa",
+            r"test_form_matches_a_per_head_reference\[routed_heads_mixture_of_attention-",
+        ),
+        (
+            "message-passing (graph) attention: per-edge scores, a segment softmax from scatter ops",
+            "segment_softmax",
+            r"test_form_matches_a_per_head_reference\[graph_attention_segment_softmax-",
+        ),
+        (
+            "sliding-window attention as chunked einsums (transformers' Longformer: `as_strided`, band padding)",
+            "einsum_softmax",
+            r"test_sliding_window_attention_written_as_chunked_einsums",
+        ),
+        (
+            "k = v: one kv projection read as keys and values (DeepSeek-V4); T^K, T^V on the attention "
+            "arguments, not foldable",
+            "sdpa / manual_softmax",
+            r"test_keys_equal_to_values_get_their_transforms_on_the_attention_arguments",
+        ),
+    ]
+]
+
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
 
 

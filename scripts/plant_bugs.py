@@ -59,6 +59,13 @@ ARCHITECTURES = ("tests/test_more_architectures.py", "tests/test_third_party_mod
 ONNX_PAST = ("tests/exporters/test_onnx_past.py",)
 AOTI_GENERATION = ("tests/exporters/test_aoti_generation.py",)
 GENERATE = ("tests/exporters/test_generate.py",)
+COMPLETENESS = ("tests/analysis/test_completeness.py",)
+SUBMODULES = ("tests/analysis/test_submodules.py",)
+MHA = ("tests/model/test_mha.py",)
+FUSE = ("tests/backend/test_fuse_mlp_value.py",)
+BACKEND_FOLD_LINEAR = ("tests/backend/test_fold_linear.py",)
+DEPLOY = ("tests/backend/test_deploy.py",)
+FORMS_MORE = ("tests/integrations/test_attention_forms_more.py",)
 
 BUGS: list[Bug] = [
     Bug(
@@ -197,6 +204,88 @@ BUGS: list[Bug] = [
         "        start = tokens.shape[1] + 1\n",
         "the greedy loops feed each new token one position too far (RoPE position and cache slot)",
         {"greedy loops": GENERATE, "ONNX with past": ONNX_PAST},
+    ),
+    # the blind spots an independent audit found (issue 22, section 5), each with a test of its own now
+    Bug(
+        "completeness_skips_3d_scores",
+        "kha_compile/analysis/completeness.py",
+        "if shape is None or len(shape) < 3 or dim is None",
+        "if shape is None or len(shape) < 4 or dim is None",
+        "a softmax over (B*H, S, S) scores no rule claims is dropped from the report (no site, no reason)",
+        {"completeness": COMPLETENESS},
+    ),
+    Bug(
+        "submodule_blocks_first_copy_only",
+        "kha_compile/analysis/submodules.py",
+        'groups.update({f"{path}.{k}": v for k, v in cap.groups.items()})',
+        "pass  # planted: the repeated blocks inside a traced part are forgotten",
+        "per-submodule tracing gives KHA only to the first copy of repeated blocks inside a traced part",
+        {"submodules": SUBMODULES},
+    ),
+    Bug(
+        "mha_kdim_bias_into_query_slice",
+        "kha_compile/model/mha.py",
+        "_, bias = fold_rows(rows, bias, HeadSlot(r, i * E, H, Dh, Dh), t, 0, detach=detach)",
+        "_, bias = fold_rows(rows, bias, HeadSlot(r, 0, H, Dh, Dh), t, 0, detach=detach)",
+        "nn.MultiheadAttention with kdim/vdim folds every role's T into the query slice of in_proj_bias",
+        {"nn.MultiheadAttention": MHA, "fold": FOLD},
+    ),
+    Bug(
+        "fuse_mlp_gate_input_unchecked",
+        "kha_compile/backend/rules/fuse_mlp_value.py",
+        " or a.args[0] is not g.args[0]:",
+        ":",
+        "the backend fuses 2 * ((x @ W_up) * sigmoid(y @ W_gate)) @ W_down as if y were x",
+        {"backend fuse": FUSE},
+    ),
+    Bug(
+        "fold_linear_ignores_other_readers",
+        "kha_compile/backend/rules/fold_linear.py",
+        "            if (mask & folded).any():",
+        "            if False and (mask & folded).any():",
+        "the backend folds T into a projection whose raw output another op also reads",
+        {"backend fold": BACKEND_FOLD_LINEAR},
+    ),
+    Bug(
+        "deploy_folds_while_training",
+        "kha_compile/backend/rules/deploy.py",
+        "            ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad))",
+        "            False and ctx.grad_enabled and (w.requires_grad or (b is not None and b.requires_grad))",
+        "deploy mode folds the checkpoint's transforms (detached) into a weight that requires grad while training",
+        {"deploy": DEPLOY},
+    ),
+    # the forms of issue 22
+    Bug(
+        "heads_as_modules_not_grouped",
+        "kha_compile/analysis/match.py",
+        "    return group_heads(g, sites)",
+        "    return sites",
+        "heads written as separate modules each get a T of their own (no KHA between them)",
+        {"attention forms (issue 22)": FORMS_MORE},
+    ),
+    Bug(
+        "kv_cache_write_not_followed",
+        "kha_compile/analysis/graph.py",
+        "                nexts = self.writes.get(node, [])",
+        "                nexts = []",
+        "the walk stops at a KV cache written in place (slice assignment into a buffer)",
+        {"attention forms (issue 22)": FORMS_MORE},
+    ),
+    Bug(
+        "shared_kv_value_on_key_argument",
+        "kha_compile/analysis/attention_calls.py",
+        'position = "qkv".index(role) if family == "sdpa"',
+        'position = 1 if family == "sdpa"',
+        "k = v: T^V is applied to the key argument of scaled_dot_product_attention(q, kv, kv)",
+        {"attention forms (issue 22)": FORMS_MORE},
+    ),
+    Bug(
+        "index_map_read_as_affine",
+        "kha_compile/model/slots.py",
+        "        if self.rows is not None:\n            return torch.tensor(self.rows",
+        "        if False:\n            return torch.tensor(self.rows",
+        "a head layout given as an index map (fused wqkv per kv group) is cut as if it were affine",
+        {"attention forms (issue 22)": FORMS_MORE},
     ),
 ]
 

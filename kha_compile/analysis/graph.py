@@ -31,6 +31,7 @@ from .params import (
     root_param,
     weight_source,
 )
+from .writes import index_args
 
 __all__ = [
     "ALLOC_OPS",
@@ -143,7 +144,7 @@ class MatchGraph:
         self.exported = exported
         inline_wrappers(exported.graph_module)  # autocast / grad-mode regions: their ops, in line
         self.graph = exported.graph
-        self.order = _order(self.graph)
+        self.order: dict[Node, float] = dict(_order(self.graph))  # a written placeholder sits after its writes
         sig = exported.graph_signature
         self.params: dict[str, str] = dict(sig.inputs_to_parameters)
         self.buffers: dict[str, str] = dict(sig.inputs_to_buffers)
@@ -180,6 +181,8 @@ class MatchGraph:
                 if isinstance(src, Node):
                     self.writes.setdefault(base, []).append(src)
                     self.written_by.setdefault(src, []).append(base)
+                    if base.op == "placeholder":  # a cache (buffer, list element, argument) filled in place:
+                        self.order[base] = self.order[n] + 0.5  # it holds the written values after the write
 
     def inputs(self, n: Node) -> list[Node]:
         """The inputs whose values flow into ``n`` (not those it reads only the dtype or shape of)."""
@@ -188,7 +191,8 @@ class MatchGraph:
         elif n.op == "call_function" and n.target in META_ARGS:  # x.type_as(v): only x's values
             own = [a for a in n.args[:1] if isinstance(a, Node)]
         else:
-            own = list(n.all_input_nodes)
+            positions = index_args(n)  # gather / index_put_ indices are positions, not values
+            own = [a for a in n.all_input_nodes if a not in positions]
         return own + self.writes.get(n, [])
 
     def users(self, n: Node) -> list[Node]:
@@ -197,7 +201,8 @@ class MatchGraph:
             u
             for u in n.users
             if not (
-                u.op == "call_function" and (u.target in ALLOC_OPS or (u.target in META_ARGS and u.args[0] is not n))
+                u.op == "call_function"
+                and (u.target in ALLOC_OPS or (u.target in META_ARGS and u.args[0] is not n) or n in index_args(u))
             )
         ]
         return out + self.written_by.get(n, [])
@@ -359,6 +364,7 @@ class MatchGraph:
         seen = {start}
         queue = deque([start])
         steps = 0
+        unwritten: list[str] = []  # buffers read that nothing in the graph writes
         while queue:
             node = queue.popleft()
             steps += 1
@@ -368,20 +374,32 @@ class MatchGraph:
             if proj is not None:
                 found.append(proj)
                 continue
-            if (
+            if node.op == "placeholder":  # a cache filled in place: follow what was written into it
+                if node.name in self.buffers and node not in self.writes and len(shape_of(node) or ()) >= 3:
+                    unwritten.append(self.buffers[node.name])
+                nexts = self.writes.get(node, [])
+            elif (
                 node.op != "call_function"
                 or node.target in SDPA_OPS
                 or node.target in SOFTMAX_OPS
                 or node.target is aten.embedding.default
             ):
                 continue
-            for inp in self.inputs(node):
-                if inp.op == "placeholder" and (inp.name in self.params or inp.name in self.buffers):
+            else:
+                nexts = self.inputs(node)
+            for inp in nexts:
+                if inp.op == "placeholder" and inp.name in self.params:
                     continue
                 if inp not in seen:
                     seen.add(inp)
                     queue.append(inp)
-        return found, ""
+        why = ""
+        if unwritten and not found:
+            why = (
+                f"it reads the buffer {unwritten[0]} (a KV cache?), which nothing in the traced forward writes; "
+                "trace with inputs that fill the cache (a prefill call)"
+            )
+        return found, why
 
     def path_nodes(self, src: Node, dst: Node) -> list[Node]:
         """Nodes on some path src -> dst (both included), in graph order."""

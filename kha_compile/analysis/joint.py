@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-from .layout import NotLayout, shape_of
+from .layout import NotLayout, token_shape
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph import MatchGraph
@@ -47,7 +47,7 @@ def cat_axis(node: Node) -> int | None:
     """
     if node.op != "call_function" or node.target is not aten.cat.default:
         return None
-    shape = shape_of(node)
+    shape = token_shape(node)
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if shape is None or not isinstance(dim, int):
         return None
@@ -66,7 +66,7 @@ def through_cat(idx: Any, node: Node, prev: Node) -> Tensor:
         idx = through_cat(idx, cat_node, prev)     # (B, St, H, Dh) index -> (B, St + Si, H, Dh)
     """
     axis = cat_axis(node)
-    out = shape_of(node)
+    out = token_shape(node)
     if axis is None or out is None or not isinstance(idx, Tensor):
         raise NotLayout("not a cat with a static shape")
     if axis == len(out) - 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -21,13 +21,17 @@ from torch.fx import Node
 
 __all__ = [
     "IDENTITY_OPS",
+    "INDEX_OPS",
     "LAYOUT_OPS",
     "HeadMap",
     "NotLayout",
+    "constant_index",
     "push_layout",
     "read_head_map",
     "shape_of",
     "slot_from_map",
+    "token_shape",
+    "varies",
 ]
 
 aten = torch.ops.aten
@@ -48,6 +52,27 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
         except Exception:  # symbolic sizes; an unbacked (data-dependent) size raises a guard error
             return None
     return None
+
+
+def token_shape(node: Any) -> tuple[int, ...] | None:
+    """``shape_of``, with each data-dependent size (rows routed to one expert: ``u0``) as 1.
+
+    Such sizes only count tokens; an index tensor of feature numbers is a broadcast copy along them.
+
+    Example::
+
+        token_shape(expert_linear)      # (1, 32) for a (u0, 32) output
+    """
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    out = []
+    for s in val.shape:
+        try:
+            out.append(int(s))
+        except Exception:  # an unbacked (data-dependent) size
+            out.append(1)
+    return tuple(out)
 
 
 def _to_output_shape(method: str) -> Callable:
@@ -78,6 +103,51 @@ def _identity(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
 
 class NotLayout(Exception):
     pass
+
+
+def _as_strided(idx: Tensor, node: Node, size: Any, stride: Any, offset: Any = None) -> Tensor:
+    """``as_strided`` read off the storage: the input's elements are written to the storage positions
+    its strides address (from the traced metadata), then read back with the op's strides
+    (Longformer's overlapping chunks). Every position read must be one the input wrote."""
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    if not isinstance(src, Tensor):
+        raise NotLayout("as_strided of an input without metadata")
+    try:
+        s_stride, s_off = [int(x) for x in src.stride()], int(src.storage_offset())
+        size, stride = [int(x) for x in size], [int(x) for x in stride]
+        off = s_off if offset is None else int(offset)
+    except Exception as exc:  # symbolic strides
+        raise NotLayout("as_strided with symbolic strides") from exc
+    if tuple(idx.shape) != tuple(src.shape):
+        raise NotLayout("as_strided: the index does not have the input's shape")
+    extent = 1 + max(
+        s_off + sum((n - 1) * st for n, st in zip(idx.shape, s_stride)),
+        off + sum((n - 1) * st for n, st in zip(size, stride)),
+    )
+    storage = torch.full((extent,), -1, dtype=idx.dtype)
+    storage.as_strided(tuple(idx.shape), s_stride, s_off).copy_(idx)
+    out = storage.as_strided(size, stride, off).clone()
+    if bool((out < 0).any()):
+        raise NotLayout("as_strided reads storage its input does not hold")
+    return out
+
+
+def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tensor:
+    """``F.pad`` on axes the index does not vary along (sequence, spatial): the padded positions hold
+    the same features as their neighbours (a zero there stays zero under any KHA transform, which
+    maps 0 to 0). Padding an axis that carries features is not a layout."""
+    for i in range(len(pad) // 2):
+        axis, before, after = idx.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if (before or after) and varies(idx, axis):
+            raise NotLayout("pad on an axis that carries features")
+        if before < 0 or after < 0:
+            idx = idx.narrow(axis, max(-before, 0), idx.shape[axis] - max(-before, 0) - max(-after, 0))
+        edge = idx.narrow(axis, 0, 1)  # every position of this axis holds the same features
+        idx = torch.cat(
+            [edge.repeat_interleave(max(before, 0), axis), idx, edge.repeat_interleave(max(after, 0), axis)], axis
+        )
+    return idx
+
 
 
 # Ops whose output features are a rearrangement of the input's (target -> how to apply to an index tensor).
@@ -118,6 +188,9 @@ LAYOUT_OPS.update(
             lambda t, r, dim=None, output_size=None: torch.repeat_interleave(t, r, dim)
         ),
         operator.getitem: _call(operator.getitem),
+        aten.as_strided.default: _as_strided,
+        aten.pad.default: _pad,
+        aten.constant_pad_nd.default: _pad,
         # complex RoPE (Llama-2 reference code): pairs of features become one complex number and back
         aten.view_as_complex.default: _call(lambda t: torch.view_as_complex(t.double().contiguous())),
         aten.view_as_real.default: _call(lambda t: torch.view_as_real(t).round().long() if t.is_complex() else t),
@@ -125,30 +198,11 @@ LAYOUT_OPS.update(
 )
 
 
-def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tensor:
-    """``F.pad`` on axes the index does not vary along (sequence, spatial): the padded positions hold
-    the same features as their neighbours (a zero there stays zero under any KHA transform, which
-    maps 0 to 0). Padding an axis that carries features is not a layout."""
-    for i in range(len(pad) // 2):
-        axis, before, after = idx.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
-        if (before or after) and _varies(idx, axis):
-            raise NotLayout("pad on an axis that carries features")
-        if before < 0 or after < 0:
-            idx = idx.narrow(axis, max(-before, 0), idx.shape[axis] - max(-before, 0) - max(-after, 0))
-        edge = idx.narrow(axis, 0, 1)  # every position of this axis holds the same features
-        idx = torch.cat(
-            [edge.repeat_interleave(max(before, 0), axis), idx, edge.repeat_interleave(max(after, 0), axis)], axis
-        )
-    return idx
-
-
 LAYOUT_OPS.update(
     {
         aten.reshape_as.default: _to_shape,  # the other tensor gives only its shape (LeViT)
         aten.view_as.default: _to_shape,
         aten.expand_as.default: _expand,
-        aten.pad.default: _pad,
-        aten.constant_pad_nd.default: _pad,
         aten.unfold.default: _call(lambda t, dim, size, step: t.unfold(dim, size, step)),  # windows (HaloNet)
     }
 )
@@ -169,6 +223,8 @@ IDENTITY_OPS = {
 }
 for _same in IDENTITY_OPS:
     LAYOUT_OPS[_same] = _identity
+# indexing: constant indices anywhere, computed ones along token axes only (see ``_index``)
+INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.gather.default, aten.index_select.default}
 
 
 def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Any:
@@ -177,7 +233,7 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
     Raises ``NotLayout`` when ``node`` is not a pure layout op of that input.
     """
     fn = LAYOUT_OPS.get(node.target)
-    if node.target is aten.index.Tensor:
+    if node.target in INDEX_OPS:
         return _index(idx, node, data_input, constants)
     if fn is None:
         raise NotLayout(f"{node.target} is not a layout op")
@@ -193,25 +249,114 @@ def push_layout(idx: Any, node: Node, data_input: Node, constants: dict[str, Ten
     return fn(idx, node, *rest, **dict(node.kwargs))
 
 
+# ops that compute index tensors from constants alone (``torch.arange(H)[None, :, None]``): evaluated
+_CONST_OPS = {
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    *LAYOUT_OPS,
+}
+_CONST_MAX_NUMEL = 1 << 20
+
+
+def constant_index(node: Any, constants: dict[str, Tensor], depth: int = 0) -> Tensor | None:
+    """The value of an index computed from constants only (lifted constants, ``arange``, views), or None.
+
+    Example::
+
+        constant_index(arange_node, {})     # tensor([0, 1, 2, 3])
+    """
+    if not isinstance(node, Node) or depth > 16:
+        return None
+    if node.op == "placeholder":
+        val = constants.get(node.name)
+        return val.to("cpu") if val is not None and val.device.type != "meta" else None
+    if node.op != "call_function" or node.target not in _CONST_OPS:
+        return None
+
+    def value(a: Any) -> Any:
+        if isinstance(a, Node):
+            v = constant_index(a, constants, depth + 1)
+            if v is None:
+                raise NotLayout("not a constant")
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return a
+
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in ("device", "pin_memory", "layout")}
+    try:
+        out = cast(Callable, node.target)(*value(node.args), **value(kwargs))
+    except (NotLayout, RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    return out if isinstance(out, Tensor) and out.numel() <= _CONST_MAX_NUMEL else None
+
+
+def _computed(ind: Node, idx: Tensor, axes: list[int], what: str) -> Tensor:
+    """A stand-in for a computed index along ``axes``: zeros of its shape, valid while ``idx`` (the
+    feature numbers) does not vary along those axes (a gather along tokens keeps every head vector)."""
+    shape, val = shape_of(ind), ind.meta.get("val")
+    if shape is None:
+        raise NotLayout(f"{what} with a computed index of symbolic shape")
+    if isinstance(val, Tensor) and val.dtype is torch.bool:
+        raise NotLayout(f"{what} with a boolean mask (a data-dependent shape)")
+    for a in axes:
+        if idx.shape[a] > 1 and varies(idx, a):
+            raise NotLayout(f"{what} along axis {a}, which holds heads or features, with a computed index")
+    return torch.zeros(shape, dtype=torch.long)
+
+
 def _index(idx: Tensor, node: Node, data_input: Node, constants: dict[str, Tensor]) -> Tensor:
+    """``x[i0, i1, ...]``, ``gather`` and ``index_select`` on the index tensor.
+
+    Constant indices (or indices computed from constants) are applied as they are; a computed index
+    (top-k query selection, sampled keys, graph edges) is followed along the token (batch, sequence)
+    axes and refused along the head or feature axes.
+    """
     if node.args[0] is not data_input:
         raise NotLayout("data input is not indexed")
+    t = node.target
+    if t in (aten.gather.default, aten.index_select.default):
+        dim, ind = node.args[1], node.args[2]
+        if not isinstance(dim, int) or not isinstance(ind, Node):
+            raise NotLayout("a gather without a constant dim")
+        dim %= idx.dim()
+        const = constant_index(ind, constants)
+        what = "gather" if t is aten.gather.default else "index_select"
+        use = const if const is not None else _computed(ind, idx, [dim], what)
+        if t is aten.gather.default:
+            return torch.gather(idx, dim, use.long())
+        return torch.index_select(idx, dim, use.long().reshape(-1))
     indices: list[Tensor | None] = []
     raw_indices: Any = node.args[1]
-    for ind in raw_indices:
+    for axis, ind in enumerate(raw_indices):
         if ind is None:
             indices.append(None)
             continue
         while isinstance(ind, Node) and ind.op == "call_function" and ind.target in IDENTITY_OPS:
             ind = ind.args[0]  # lift_fresh_copy(constant), casts
-        val = constants.get(ind.name) if isinstance(ind, Node) else None
-        if val is None or val.device.type == "meta":
-            raise NotLayout("index with a computed (non-constant) tensor")
-        indices.append(val.to("cpu"))
+        val = constant_index(ind, constants)
+        if val is None:
+            if not isinstance(ind, Node):
+                raise NotLayout("index with a computed (non-constant) tensor")
+            val = _computed(ind, idx, [axis], "index")
+        indices.append(val)
     return aten.index.Tensor(idx, indices)
 
 
-def _varies(idx: Tensor, axis: int) -> bool:
+def varies(idx: Tensor, axis: int) -> bool:
+    """True when the index tensor ``idx`` holds different values along ``axis`` (heads or features there).
+
+    Example::
+
+        varies(torch.arange(4).expand(3, 4), 0)     # False: a broadcast copy along axis 0
+    """
     if idx.stride(axis) == 0:  # a broadcast (expanded) axis is constant by construction
         return False
     return bool((idx != idx.narrow(axis, 0, 1)).any())
@@ -226,9 +371,9 @@ def read_head_map(idx: Tensor) -> HeadMap | None:
     if not isinstance(idx, Tensor) or idx.dim() < 1 or idx.shape[-1] < 1:
         return None
     dh = idx.shape[-1]
-    if dh > 1 and not _varies(idx, -1):
+    if dh > 1 and not varies(idx, -1):
         return None
-    varying = [a for a in range(idx.dim() - 1) if idx.shape[a] > 1 and _varies(idx, a)]
+    varying = [a for a in range(idx.dim() - 1) if idx.shape[a] > 1 and varies(idx, a)]
     if len(varying) > 1:
         return None
     if not varying:

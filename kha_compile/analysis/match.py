@@ -22,11 +22,14 @@ from typing import cast
 import torch
 from torch.fx import Node
 
+from .attention_calls import AttentionArg, attention_arg
 from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
+from .heads import group_heads
 from .joint import resolve_role, through_cat
-from .layout import LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of
+from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of, token_shape
 from .rules import Anchor, attention_rules
+from .writes import through_write, written_value
 
 __all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
 
@@ -45,6 +48,9 @@ class RoleMatch:
     rope: bool
     qk_norm: bool
     joined: bool = False  # the walk went through a sequence-axis cat with other projections (joint streams)
+    # keys and values are the same features of one projection (k = v): the role's transform goes on
+    # the attention call's argument instead (.attention_calls)
+    at_attention: AttentionArg | None = None
 
 
 @dataclasses.dataclass
@@ -58,7 +64,8 @@ class RawSite:
     cross: bool = False
     # role -> the other projections feeding it (joint streams, sums; see .joint) and how they join
     joint: dict[str, list[RoleMatch]] = dataclasses.field(default_factory=dict)
-    join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum"
+    join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum" | "heads"
+    heads: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> heads, when heads are modules (.heads)
 
     def all_roles(self) -> list[RoleMatch]:
         """Every role match of the site, the other projections of joint roles included."""
@@ -92,7 +99,7 @@ def _role_match(
     if not path:
         return None, f"{role}: no path from {proj.node.name} to {target.name}"
     chain = g.articulation(path)
-    shape = shape_of(proj.node)
+    shape = token_shape(proj.node)  # rows routed to one expert have a data-dependent count
     if shape is None:
         return None, f"{role}: {proj.node.name} has a symbolic shape"
     idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
@@ -133,8 +140,10 @@ def _role_match(
                 if node.target is aten.cat.default and prev in cast(list, node.args[0]) and expect[i - 1] == expect[i]:
                     idx = through_cat(idx, node, prev)  # joint streams: a sequence-axis cat is layout
                     joined = True
-                elif direct and (node.target in LAYOUT_OPS or node.target is aten.index.Tensor):
+                elif direct and (node.target in LAYOUT_OPS or node.target in INDEX_OPS):
                     idx = push_layout(idx, node, prev, g.constants)
+                elif prev in g.writes.get(node, ()) or (written_value(node) is prev and prev is not None):
+                    idx = through_write(idx, node, prev)  # a cache written in place, rows scattered back
                 elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
                     pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
                 elif isinstance(idx, tuple) and node.target is not None:
@@ -142,7 +151,7 @@ def _role_match(
                 else:
                     raise NotLayout(f"{node.name} ({node.target}) changes the shape")
             except (NotLayout, RuntimeError, IndexError, TypeError) as exc:
-                if node.target in LAYOUT_OPS or node.target is aten.index.Tensor:
+                if node.target in LAYOUT_OPS or node.target in INDEX_OPS:
                     # a layout op we could not evaluate: the head map after it is unknown
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
                 stop = f"stopped at {node.name}: {exc}"
@@ -155,6 +164,9 @@ def _role_match(
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if found is None:
+        conv = _temporal_conv(path)
+        if conv:
+            return None, f"{role}: {conv}"
         return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (
             f" ({stop})" if stop else ""
         )
@@ -163,6 +175,23 @@ def _role_match(
     )
     qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), ""
+
+
+_CONV_OPS = {aten.conv1d.default, aten.convolution.default}
+
+
+def _temporal_conv(path: list[Node]) -> str:
+    """Why a convolution over the sequence between the projection and the attention defeats KHA, or ''."""
+    for n in path:
+        w = n.args[1] if n.op == "call_function" and n.target in _CONV_OPS and len(n.args) > 1 else None
+        shape = shape_of(w) if isinstance(w, Node) else None
+        if shape is not None and len(shape) == 3 and shape[-1] > 1:
+            return (
+                f"the head vector is mixed over the sequence by a convolution ({n.name}, kernel {shape[-1]}) between "
+                "its projection and the attention (compressed convolutional attention, as ZAYA's CCA); a shared "
+                "transform after the projection would not commute with it"
+            )
+    return ""
 
 
 _SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)
@@ -237,6 +266,30 @@ def _same_values(a: Node, b: Node) -> bool:
 def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
     """True when the projection reads a low-rank latent: another projection of the same attention
     module (``scope``), seen through a norm (MLA's kv_a_proj -> kv_a_layernorm -> kv_b_proj)."""
+    return _latent_projection(g, proj, scope, depth) is not None
+
+
+def _token_source(node: Node) -> Node:
+    """The tensor ``node`` selects tokens of or rearranges: back through layout ops, gathers along
+    tokens and splits (routed experts take ``x[batch_index].split(sizes)``)."""
+    for _ in range(32):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+            return node
+        if node.target not in LAYOUT_OPS and node.target not in INDEX_OPS:
+            return node
+        node = node.args[0]
+    return node
+
+
+def _query_input(g: MatchGraph, proj: Projection, scope: str) -> Node:
+    """What the query projection reads, seen through a low-rank latent of the same module (DeepSeek's
+    q_a_proj -> q_a_norm -> q_b_proj) and through token selection (routed heads)."""
+    latent = _latent_projection(g, proj, scope)
+    return _token_source(latent.input_node if latent is not None else proj.input_node)
+
+
+def _latent_projection(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> Projection | None:
+    """The projection of the same attention module (``scope``) whose output ``proj`` reads, if any."""
     frontier = [proj.input_node]
     seen = set()
     for _ in range(depth):
@@ -247,7 +300,7 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
             seen.add(n)
             other = g.as_projection(n)
             if other is not None:
-                return bool(scope) and other.module_path.startswith(scope + ".")
+                return other if bool(scope) and other.module_path.startswith(scope + ".") else None
             if (
                 n.target in (aten.add.Tensor, aten.sub.Tensor)
                 and sum(isinstance(a, Node) and shape_of(a) == shape_of(n) for a in n.args[:2]) == 2
@@ -257,7 +310,20 @@ def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) 
                 continue
             nxt.extend(i for i in n.all_input_nodes if i.op != "placeholder")
         frontier = nxt
-    return False
+    return None
+
+
+def _split_shared_kv(g: MatchGraph, site: RawSite, anchor: Anchor) -> None:
+    """k = v (the same features of one projection): give k and v their attention-call arguments."""
+    k, v = site.roles.get("k"), site.roles.get("v")
+    if k is None or v is None or k.projection.node is not v.projection.node or site.joint:
+        return
+    if not set(k.head_map.index.flatten().tolist()) & set(v.head_map.index.flatten().tolist()):
+        return
+    args = {r: attention_arg(g, anchor.node, anchor.roles[r], anchor.head_axes.get(r, -1), r) for r in "kv"}
+    if args["k"] is not None and args["v"] is not None:
+        site.roles["k"] = dataclasses.replace(k, at_attention=args["k"])
+        site.roles["v"] = dataclasses.replace(v, at_attention=args["v"])
 
 
 def _anchors(g: MatchGraph) -> list[Anchor]:
@@ -317,7 +383,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
                 matches = []
             if not matches:
-                problems.append("; ".join(whys))
+                problems.append("; ".join(dict.fromkeys(whys)))
                 continue
             per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
             chosen, others, join, problem = resolve_role(g, role, target, per_head)
@@ -331,6 +397,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 site.joint[role], site.join[role] = others, join
         if problems:
             site.reason = "; ".join(problems)
+        _split_shared_kv(g, site, anchor)
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
             site.mla = (
@@ -339,8 +406,12 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 or _latent_input(g, k.projection, name)
                 or _latent_input(g, v.projection, name)
             )
-            site.cross = not site.mla and not _same_values(q.projection.input_node, k.projection.input_node)
+            site.cross = (
+                not site.mla
+                and not _same_values(q.projection.input_node, k.projection.input_node)
+                and _query_input(g, q.projection, name) is not _token_source(k.projection.input_node)
+            )
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)
-    return sites
+    return group_heads(g, sites)  # heads written as separate modules: one site, one transform per role

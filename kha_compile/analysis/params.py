@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.fx import Node
 from torch.fx.node import Argument
 
-from .layout import IDENTITY_OPS, LAYOUT_OPS, NotLayout, push_layout, shape_of
+from .layout import IDENTITY_OPS, LAYOUT_OPS, NotLayout, push_layout, shape_of, token_shape
 
 __all__ = [
     "POINTWISE_CONVS",
@@ -115,7 +115,7 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
     """
     if node.op != "call_function" or node.target not in PROJ_TARGETS:
         return []
-    out_shape = shape_of(node)
+    out_shape = token_shape(node)  # rows routed to one expert: a data-dependent count, as 1
     if out_shape is None:
         return []
     t = node.target

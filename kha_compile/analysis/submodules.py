@@ -30,6 +30,7 @@ from torch.utils import _pytree
 
 from ..core.errors import AnalysisError, KHAError, TraceError
 from .graph import module_path_of
+from .heads import is_single_head
 from .match import RawSite, find_sites
 from .trace import Capture, block_signature, capture, index_attrs, no_cache
 
@@ -237,15 +238,20 @@ def _representatives(
 
 
 def _outside_blocks(cap: Capture, raw: list[RawSite]) -> str:
-    """The first site whose projections sit in another repeated block (or one) than the site itself."""
+    """The first site whose projections sit in another repeated block (or one) than the site itself, or
+    a single-head site in a repeated block (the heads of one attention written as a list of modules:
+    the cut-down list hid the other heads)."""
     if not cap.groups:
         return ""
     for site in raw:
         where = cap.group_of(site.name)
+        paths = [where, *(cap.group_of(m.projection.module_path) for m in site.all_roles())]
+        if (is_single_head(site) or "heads" in site.join.values()) and any(p is not None for p in paths):
+            return f"{site.name} has single-head attention calls in a repeated block (heads as a list of modules?)"
         for m in site.all_roles():
             here = cap.group_of(m.projection.module_path or m.projection.param)
             if here is not None and here != where:
-                return site.name
+                return f"{site.name} uses the projections of a repeated block"
     return ""
 
 
@@ -271,9 +277,9 @@ def trace_and_match(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captur
         if outside:
             # an attention outside the repeated blocks uses their projections (the parent loops over the
             # list itself): the cut-down list hid the other copies, so trace every block
-            log.info("%s: %s uses projections of a repeated block; tracing every block", type(model).__name__, outside)
+            log.info("%s: %s; tracing every block", type(model).__name__, outside)
             cap = capture(model, args, kwargs, dedupe_blocks=False)
-            cap.path = f"whole model ({outside} uses the projections of a repeated block)"
+            cap.path = f"whole model ({outside})"
             raw = find_sites(cap.exported, cap.aliases)
         return cap, raw
     except KHAError:

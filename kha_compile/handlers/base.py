@@ -98,6 +98,14 @@ class ProjectionHandler:
         """True when ``module`` carries KHA in this handler's form (for modules without a recorded name)."""
         return False
 
+    def entry_path(self, m: RoleMatch) -> str:
+        """The traced path of the module whose plan entry carries the role (its projection's, by default)."""
+        return m.projection.module_path
+
+    def fixed_roles(self, module: nn.Module) -> list[str]:
+        """Roles of ``module`` whose transforms do not fold here, whatever their kind (``kc.fold`` keeps them)."""
+        return []
+
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
         """Give ``module`` the transforms of ``entry`` in place (identity at init)."""
         raise NotImplementedError

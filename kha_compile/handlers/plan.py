@@ -39,13 +39,13 @@ MLA_NOTE = (
 )
 
 
-def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot | None:
+def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot:
     hm = m.head_map
     if param_space:  # features of the weight's output axis (e.g. rows of in_proj_weight)
         hm = dataclasses.replace(hm, index=m.projection.feature_map[hm.index])
     affine = slot_from_map(hm)
-    if affine is None:
-        return None
+    if affine is None:  # any other fixed set of features per head: an index map
+        return HeadSlot.indexed(cast(Role, role), hm.index)
     offset, stride = affine
     return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
@@ -67,21 +67,16 @@ def build_sites(
                 )
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
+        n_q, n_k = (raw.heads.get(r, raw.roles[r].head_map.num_heads) for r in "qk")
         kind: SiteKind = (
-            "mla"
-            if raw.mla
-            else "cross"
-            if raw.cross
-            else (
-                "mha" if k.head_map.num_heads == q.head_map.num_heads else "mqa" if k.head_map.num_heads == 1 else "gqa"
-            )
+            "mla" if raw.mla else "cross" if raw.cross else ("mha" if n_k == n_q else "mqa" if n_k == 1 else "gqa")
         )
         # handlers look at the real modules: the traced paths of a repeated block name its first copy
         first = copies[0][1]
         handlers = {r: choose_handler(model, _realized(raw.roles[r], first)) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
-        note = MLA_NOTE if kind == "mla" else ""
+        note = MLA_NOTE if kind == "mla" else heads_note(raw)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
             kinds = {r: _foldable(k) for r, k in kinds.items()}
         slots: dict[str, HeadSlot] = {}
@@ -89,11 +84,7 @@ def build_sites(
             handler = handlers[r][0]
             if handler is not None and handler.plans_roles:
                 continue  # positions live in the handler's own plan (plan_role below)
-            s = _slot(r, raw.roles[r], handler is not None and handler.param_space)
-            if s is None:
-                bad.append(f"{r}: head layout of {raw.roles[r].projection.module_path} is not affine")
-            else:
-                slots[r] = s
+            slots[r] = _slot(r, raw.roles[r], handler is not None and handler.param_space)
         joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
         bad.extend(why)
         bad.extend(_shared_features(raw, kinds))
@@ -102,6 +93,9 @@ def build_sites(
                 sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
+            homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
+                r: rename(h.entry_path(raw.roles[r])) if (h := handlers[r][0]) is not None else paths[r] for r in "qkv"
+            }
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
             others = {
                 r: [rename(p) for p in dict.fromkeys(m.projection.module_path for m in ms) if p != paths_own[r]]
@@ -111,8 +105,8 @@ def build_sites(
                 name,
                 "matched",
                 kind=kind,
-                num_heads=q.head_map.num_heads,
-                num_kv_heads=k.head_map.num_heads,
+                num_heads=n_q,
+                num_kv_heads=n_k,
                 head_dim=q.head_map.head_dim,
                 v_head_dim=v.head_map.head_dim,
                 q_proj=paths["q"],
@@ -125,7 +119,7 @@ def build_sites(
                 joint=others,
                 join=dict(raw.join),
             )
-            current_transforms(model, site, paths)
+            current_transforms(model, site, homes)
             notes = [
                 h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
@@ -133,7 +127,7 @@ def build_sites(
             site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
-                path = paths[r]
+                path = homes[r]
                 entry = plan.setdefault(
                     path,
                     PlanEntry(
@@ -158,6 +152,32 @@ def build_sites(
                     _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
     _share_tied(model, plan)
     return sites, list(plan.values())
+
+
+def heads_note(raw: RawSite) -> str:
+    """The report note of a site whose heads are separate modules, or routed to experts ('' otherwise)."""
+    routed = [
+        r
+        for r, how in raw.join.items()
+        if how == "cat" and len({m.projection.param for m in [raw.roles[r], *raw.joint[r]]}) == 1
+    ]
+    if routed:
+        weight = ".".join(raw.roles[routed[0]].projection.param.split(".")[-2:])
+        return (
+            f"{','.join(routed)}: routed heads (mixture of attention heads): each token's heads come from the "
+            f"experts its router picks, calls of one weight ({weight}) on the tokens routed to each "
+            f"({1 + len(raw.joint[routed[0]])} calls); the shared transform acts on every expert's output before "
+            "the routing puts it back in token order (linear KHA folds into every expert's rows)"
+        )
+    if "heads" not in raw.join.values():
+        return ""
+    counts = ", ".join(f"{r}: {raw.heads.get(r, 1)}" for r in "qkv")
+    owners = ", ".join(f"{r}: {raw.roles[r].projection.module_path}" for r in "qkv" if raw.join.get(r) == "heads")
+    return (
+        f"heads written as separate modules ({counts} projections), one attention call each: one site, one "
+        f"shared transform per role (held by {owners}), applied after every head's projection and folded "
+        "into each"
+    )
 
 
 def _share_tied(model: nn.Module, plan: dict[str, PlanEntry]) -> None:
@@ -194,6 +214,8 @@ def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
         a, b = raw.roles[r1], raw.roles[r2]
         if a.projection.node is not b.projection.node or not (r1 in kinds or r2 in kinds):
             continue
+        if a.at_attention is not None and b.at_attention is not None:
+            continue  # k = v: each transform goes on its own attention argument
         common = set(a.head_map.index.flatten().tolist()) & set(b.head_map.index.flatten().tolist())
         if common:
             out.append(
@@ -249,9 +271,6 @@ def plan_joint(
                 )
                 continue
             s = _slot(r, m, handler.param_space)
-            if s is None:
-                bad.append(f"{r}: head layout of {path} is not affine")
-                continue
             out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))
     return out, bad
 

@@ -11,7 +11,10 @@ gradient needed, the ``"auto"`` rule decides. Otherwise the forward follows
 ``F.multi_head_attention_forward`` step by step with the transforms right after the
 in-projection (token-side), and a no-op forward hook keeps ``nn.TransformerEncoderLayer``'s fast
 path (which would skip them) switched off: that is the case for MLP-value and for
-``kha_strategy = "token"``.
+``kha_strategy = "token"``. While every MLP-value transform still holds exactly its identity-init
+tensors (checked with ``torch.equal`` on each call without a gradient), it changes nothing, so the
+module (and its encoder-layer host, hook paused) runs torch's own forward, fast path included:
+identity at init is exact under ``no_grad`` too.
 
 ``nn.TransformerEncoderLayer``'s fast path reads ``self_attn.in_proj_weight`` without calling the
 attention module. An encoder layer whose attention carries KHA therefore gets a class of its own
@@ -21,8 +24,9 @@ in-projection in place for that call, whenever the attention would run weight-si
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -115,16 +119,36 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
         return roles if use_weight_side(self.kha_strategy, sources, tokens, self.embed_dim) else ()
 
     def kha_effective_in_proj(self) -> list[tuple[str, Tensor]] | None:
-        """The folded in-projection to run the whole call on, or None (token-side, or a gradient is needed)."""
-        if _token_side_only(self) or torch.compiler.is_compiling():
+        """The folded in-projection to run the whole call on (``[]``: the stored one), or None (token-side,
+        or a gradient is needed).
+
+        Every transform that cannot fold must be at its identity init (MLP-value before training): then
+        torch's own forward, fast path included, runs exactly as it would without KHA.
+        """
+        if self.kha_strategy == "token" or torch.compiler.is_compiling():
             return None
         roles = self._kha_roles()
-        if not roles or len(roles) != len(self.kha):
-            return None
-        sources = self._kha_sources(roles)
+        sources = self._kha_sources(tuple(self.kha))  # every transform: training any of them needs its path
         if needs_grad(sources) or any(is_dtensor(t) for t in sources):
             return None
-        return self.kha_fold(roles, detach=False)
+        if len(roles) != len(self.kha) and not self._kha_rest_at_identity(roles):
+            return None
+        return self.kha_fold(roles, detach=False) if roles else []
+
+    def _kha_rest_at_identity(self, foldable: Sequence[str]) -> bool:
+        """True when every transform not in ``foldable`` has exactly its identity-init tensors."""
+        cache = self.__dict__.setdefault("_kha_identity", {})
+        for r, t in self.kha.items():
+            if r in foldable:
+                continue
+            kind = kind_of(t)
+            params = kind.params(t)
+            key = (r, kind.name, tuple(p.shape for p in params), params[0].dtype, params[0].device)
+            if key not in cache:  # the tensors of a fresh transform of this kind (identity at init)
+                cache[key] = kind.params(make_transform(kind.name, params[0].shape[-1], dtype=key[3], device=key[4]))
+            if not all(torch.equal(p, i) for p, i in zip(params, cache[key])):
+                return False
+        return True
 
     def forward(
         self,
@@ -141,6 +165,11 @@ class KHAMultiheadAttention(nn.MultiheadAttention):
         args = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         if "_kha_swapped" in self.__dict__:  # an encoder-layer host put the folded in-projection in place
             return nn.MultiheadAttention.forward(self, *args)
+        if not all(kind_of(t).foldable for t in self.kha.values()):
+            params = self.kha_effective_in_proj()  # MLP-value still at identity, no gradient: exactly torch's
+            if params is not None:
+                with swapped_params(self, params):
+                    return nn.MultiheadAttention.forward(self, *args)
         roles = self._kha_weight_side(query.numel() // max(query.shape[-1], 1))
         if roles:
             with swapped_params(self, self.kha_fold(roles, detach=False)):
@@ -282,6 +311,18 @@ def _token_side_only(module: nn.Module) -> bool:
     return getattr(module, "kha_strategy", "auto") == "token" or any(not kind_of(t).foldable for t in kha.values())
 
 
+@contextlib.contextmanager
+def _hook_paused(module: nn.Module) -> Iterator[None]:
+    """Take the no-op hook off for one call (its transforms are at identity: the fast path is exact)."""
+    hook = module.__dict__.get("_kha_hook")
+    fn = module._forward_hooks.pop(hook.id, None) if hook is not None else None
+    try:
+        yield
+    finally:
+        if hook is not None and fn is not None:
+            module._forward_hooks[hook.id] = fn
+
+
 def _sync_fast_path_hook(module: nn.Module) -> None:
     """Keep the no-op hook (it switches the encoder layer's fast path off) exactly when it is needed."""
     hook = module.__dict__.get("_kha_hook")
@@ -309,7 +350,7 @@ class KHAEncoderLayerHost(nn.Module):
         params = attn.kha_effective_in_proj() if isinstance(attn, KHAMultiheadAttention) else None
         if params is None:
             return super().forward(*args, **kwargs)
-        with swapped_params(attn, params):
+        with swapped_params(attn, params), _hook_paused(attn):
             return super().forward(*args, **kwargs)
 
 

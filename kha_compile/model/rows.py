@@ -33,7 +33,8 @@ def fold_rows(
     t32 = _float32(keep(t))
     w = _float32(keep(weight))
     H, Dh = slot.num_heads, slot.head_dim
-    if slot.offset == 0 and slot.head_stride == Dh and H * Dh == w.shape[axis]:  # every row/column is a head's
+    whole = slot.rows is None and slot.offset == 0 and slot.head_stride == Dh and H * Dh == w.shape[axis]
+    if whole:  # every row/column is a head's, in order
         if axis == 0:  # (H*Dh, in) -> (H, Dh, in); row k of a head <- sum_j T[j, k] W[j]
             w = torch.bmm(t32.t().expand(H, Dh, Dh), w.reshape(H, Dh, -1)).reshape(w.shape)
         else:  # (in, H*Dh) -> (in, H, Dh) @ T

@@ -299,10 +299,8 @@ def local_slots(name: str, slots: tuple[HeadSlot, ...], local: Tensor) -> tuple[
         stride = first[1] - first[0] if len(first) > 1 else s.head_dim
         if any(r != list(range(r[0], r[0] + s.head_dim)) for r in rows) or any(
             f != first[0] + i * stride for i, f in enumerate(first)
-        ):
-            raise TensorParallelError(
-                f"{name}: the local features of role {s.role!r} do not form an affine head layout "
-                "after sharding; kha_compile cannot place its transforms on this shard."
-            )
+        ):  # not affine after sharding: the local features as an index map
+            out.append(HeadSlot.indexed(s.role, torch.tensor(rows)))
+            continue
         out.append(HeadSlot(s.role, first[0], len(whole), s.head_dim, stride))
     return tuple(out)

@@ -2,8 +2,11 @@
 
 Feature of head ``h``, dim ``j`` = ``offset + h * head_stride + j``. Separate projections
 (``head_stride == head_dim``), fused [Q|K|V] blocks and interleaved [H, 3, Dh] layouts are all of
-this form. :func:`layout_plan` picks how a set of slots is cut out of one output ("blocks" or
-"interleaved"); :func:`apply_segments` applies the transforms to those pieces.
+this form. Any other layout in which every head's features are a fixed set of output features (a
+fused wqkv interleaved per kv group, InternLM2 / torchtitan style) is an *index map*: ``rows`` lists
+the feature of every (head, dim). :func:`layout_plan` picks how a set of slots is cut out of one
+output ("blocks", "interleaved" or "indexed"); :func:`apply_segments` applies the transforms to
+those pieces.
 
 Example::
 
@@ -41,21 +44,46 @@ class HeadSlot:
     num_heads: int
     head_dim: int
     head_stride: int
+    rows: tuple[int, ...] | None = None  # an index map: feature of (h, j) at h * head_dim + j (head_stride 0)
+
+    @classmethod
+    def indexed(cls, role: Role, index: Tensor) -> HeadSlot:
+        """A slot from an explicit (H, Dh) feature index (any layout, one fixed feature per head and dim).
+
+        Example::
+
+            HeadSlot.indexed("q", torch.tensor([[0, 1], [4, 5]]))     # heads at features 0-1 and 4-5
+        """
+        flat = tuple(int(f) for f in index.flatten().tolist())
+        return cls(role, min(flat), int(index.shape[0]), int(index.shape[1]), 0, flat)
 
     @property
     def span(self) -> int:
+        if self.rows is not None:
+            return max(self.rows) - self.offset + 1
         return (self.num_heads - 1) * self.head_stride + self.head_dim
 
     def index(self) -> Tensor:  # (H, Dh) feature indices
+        if self.rows is not None:
+            return torch.tensor(self.rows, dtype=torch.long).view(self.num_heads, self.head_dim)
         h = torch.arange(self.num_heads).unsqueeze(1) * self.head_stride
         return self.offset + h + torch.arange(self.head_dim)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.rows is None:
+            del d["rows"]
+        else:
+            d["rows"] = list(self.rows)
+        return d
 
 
 def layout_plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
-    """Choose how to cut the heads out of the projection output: 'blocks' or 'interleaved'."""
+    """Choose how to cut the heads out of the projection output: 'blocks', 'interleaved' or 'indexed'."""
+    if any(s.rows is not None for s in slots):
+        if any(s.offset + s.span > out_features for s in slots):
+            raise UnsupportedLayoutError(f"head slots {[s.to_dict() for s in slots]} exceed {out_features} features")
+        return "indexed", 0
     if all(s.head_stride == s.head_dim for s in slots):
         spans = sorted((s.offset, s.offset + s.num_heads * s.head_dim) for s in slots)
         if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and spans[-1][1] <= out_features:
@@ -113,6 +141,12 @@ def transform_slices(
     if not slots:
         return y
     width = y.shape[-1]
+    if mode == "indexed":  # an index map: gather each role's head vectors, transform, put them back
+        for s in slots:
+            idx = s.index().to(y.device)
+            heads = y.index_select(-1, idx.flatten()).unflatten(-1, tuple(idx.shape))  # (…, H, Dh)
+            y = y.index_copy(y.dim() - 1, idx.flatten(), fns[s.role](heads).flatten(-2))
+        return y
     if mode == "blocks":  # heads of a role are contiguous: (…, H*Dh) -> (…, H, Dh)
         bounds: list[Piece] = [(s.offset, s.num_heads * s.head_dim, (s.head_dim, fns[s.role])) for s in slots]
         return apply_segments(y, width, segment_pieces(bounds, width))

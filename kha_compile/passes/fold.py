@@ -46,6 +46,12 @@ def _stored(module: nn.Module, name: str) -> Tensor:
     return stored
 
 
+def _foldable_roles(module: nn.Module) -> list[str]:
+    """The roles of ``module`` that fold: of a linear kind, and not held where they cannot (k = v)."""
+    fixed = set(handler_of(module).fixed_roles(module))
+    return [r for r, t in transforms_of(module).items() if kind_of(t).foldable and r not in fixed]
+
+
 def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     """Fold every linear KHA transform into its projection; returns ``model`` (changed in place).
 
@@ -64,18 +70,27 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     if not modules:
         log.info("fold: %s carries no KHA transforms; nothing to do", type(model).__name__)
         return model
+    foldable = {id(m): _foldable_roles(m) for _, m in modules}
     mlp = [f"{n}.kha.{r}" for n, m in modules for r, t in transforms_of(m).items() if not kind_of(t).foldable]
-    if mlp and strict:
-        shown = ", ".join(mlp[:4]) + (f" and {len(mlp) - 4} more" if len(mlp) > 4 else "")
+    fixed = [
+        f"{n}.kha.{r}"
+        for n, m in modules
+        for r in handler_of(m).fixed_roles(m)
+        if kind_of(transforms_of(m)[r]).foldable
+    ]
+    if (mlp or fixed) and strict:
+        shown = ", ".join((mlp + fixed)[:4]) + (f" and {len(mlp + fixed) - 4} more" if len(mlp + fixed) > 4 else "")
+        why = "MLP-value KHA is not linear and stays an op" if mlp else "these transforms do not fold where they sit"
         raise FoldError(
-            f"cannot fold: MLP-value KHA is not linear and stays an op ({shown}). Nothing was changed. "
-            "Use kc.fold(model, strict=False) to fold only the linear transforms, and "
-            "kc.export_onnx(...) to ship the MLP-value op as a fused node."
+            f"cannot fold: {why} ({shown}). Nothing was changed. "
+            "Use kc.fold(model, strict=False) to fold only the linear transforms that fold, and "
+            "kc.export_onnx(...) to ship the rest as ops."
+            + (" (k = v: T^K and T^V on the attention arguments cannot both fold into one weight.)" if fixed else "")
         )
     # 1. compute every new tensor; nothing is written yet
     updates: list[tuple[nn.Module, str, Tensor]] = []
     for name, m in modules:
-        roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
+        roles = foldable[id(m)]
         try:
             updates.extend((m, pname, value) for pname, value in handler_of(m).fold(m, roles))
         except FoldError as exc:
@@ -92,7 +107,7 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             stored.copy_(value)
     folded = 0
     for _, m in modules:
-        linear_roles = [r for r, t in transforms_of(m).items() if kind_of(t).foldable]
+        linear_roles = foldable[id(m)]
         folded += len(linear_roles)
         handler_of(m).drop(m, linear_roles)
     for handler in projection_handlers():

@@ -117,7 +117,11 @@ def _planned(item: Any) -> PlannedProjection:
         fields = ("offset", "num_heads", "head_dim", "head_stride")
         if not isinstance(s, dict) or s.get("role") not in kinds or not all(isinstance(s.get(f), int) for f in fields):
             raise TypeError(f"{item['module']}: a head slot must give a planned role and {fields}, got {s!r}")
-        slots.append(HeadSlot(s["role"], *(int(s[f]) for f in fields)))
+        rows = s.get("rows")
+        if rows is not None and not (isinstance(rows, list) and all(isinstance(f, int) for f in rows)):
+            raise TypeError(f"{item['module']}: a head slot's 'rows' must be a list of feature numbers, got {rows!r}")
+        offset, heads, dim, stride = (int(s[f]) for f in fields)
+        slots.append(HeadSlot(s["role"], offset, heads, dim, stride, tuple(rows) if rows is not None else None))
     out_features = item.get("out_features")
     if out_features is not None and not isinstance(out_features, int):
         raise TypeError(f"{item['module']}: 'out_features' must be an integer, got {out_features!r}")

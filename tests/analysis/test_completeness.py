@@ -26,6 +26,19 @@ class Unread(fz.SelfAttn):
         return fz.from_heads((p[..., None] * v[:, :, None]).sum(-2))
 
 
+class Unread3D(fz.SelfAttn):
+    """``Unread`` with the heads folded into the batch: 3-D scores (B*H, S, S) from ``bmm``."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (fz.to_heads(m(x)).reshape(b * fz.H, s, fz.DH) for m in (self.q, self.k, self.v))
+        scores = torch.bmm(q, k.transpose(1, 2))  # (B*H, S, S)
+        for i in range(12):
+            scores = torch.tanh(scores / (i + 2)) * (i + 2)
+        p = torch.softmax(scores, dim=-1)
+        return (p[..., None] * v[:, None]).sum(-2).reshape(b, fz.H, s, fz.DH).transpose(1, 2).flatten(2)
+
+
 class Router(nn.Module):
     """A softmax over x @ W (a router): a projection, not attention scores."""
 
@@ -43,6 +56,13 @@ def test_a_softmax_no_rule_claims_is_a_skipped_site_with_the_reason():
     (site,) = report.sites
     assert site.status == "skipped" and site.anchor == "unmatched"
     assert "looks like attention" in site.reason and "no attention rule recognises this form" in site.reason
+
+
+def test_a_softmax_over_3d_scores_with_heads_in_the_batch_no_rule_claims_is_a_skipped_site():
+    """(B*H, S, S) scores: the completeness check must not need a separate head axis."""
+    (site,) = kc.inspect(Unread3D(), example_args=(x,)).sites
+    assert site.status == "skipped" and site.anchor == "unmatched"
+    assert "softmax" in site.reason and "[8, 12, 12]" in site.reason
 
 
 def test_a_router_softmax_is_no_site():

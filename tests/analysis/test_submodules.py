@@ -71,6 +71,41 @@ def test_apply_per_submodule_puts_kha_into_every_copy():
     }
 
 
+class Encoder(nn.Module):
+    """A traceable submodule holding three alike blocks (a ModuleList the part's trace cuts to one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([fz.SelfAttn() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+
+    def forward(self, x):
+        y = self.encoder(x)
+        return -y if y.sum() > 0 else y  # data-dependent: the model is traced per submodule
+
+
+def test_repeated_blocks_inside_a_traced_submodule_all_get_kha():
+    """The part ``encoder`` is traced with its list cut to one block; every copy must still get KHA."""
+    model = Outer()
+    kc.apply(model, kc.KHAConfig(v="linear"), example_args=(x,))
+    report = kc.inspect(model, example_args=(x,))
+    assert report.trace_path.startswith("per submodule")
+    assert [s.name for s in report.matched] == [f"encoder.layers.{i}" for i in range(3)]
+    assert {n for n, _ in model.named_parameters() if ".kha." in n} == {
+        f"encoder.layers.{i}.v.kha.v.weight" for i in range(3)
+    }
+
+
 def test_when_the_model_itself_fails_the_whole_model_reason_is_raised():
     class Broken(fz.SelfAttn):
         def forward(self, x):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_cases import RTOL_OUT, kha_case, reference, rel, run
+from backend_cases import RTOL_OUT, kha_case, loss_of, reference, rel, run
 
 import kha_compile as kc
 import zoo
@@ -90,3 +90,22 @@ def test_deploy_checkpoint_not_fitting_raises_khaerror(llama_ckpt, tmp_path, mis
 def test_deploy_missing_checkpoint_raises_at_once(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         kc.backend(from_pretrained=tmp_path / "nope")
+
+
+def test_deploy_while_training_leaves_the_projection_its_gradient(tmp_path):
+    """With gradients on and a weight that requires grad, deploy must not fold the checkpoint's linear
+    transforms into the weight (the fold would cut the weight's gradient off): the gradient of every
+    weight equals that of the applied-and-loaded model."""
+    case = kha_case("llama", kc.KHAConfig(q="linear", k="linear", v="linear"))
+    kc.save_pretrained(case.model, tmp_path)
+    vanilla = zoo.make("llama")
+    base = {k: v for k, v in case.model.state_dict().items() if ".kha." not in k}
+    assert all(torch.equal(v, vanilla.model.state_dict()[k]) for k, v in base.items())  # same base weights
+    be = kc.backend(from_pretrained=tmp_path, compiler="eager")
+    loss_of(run(torch.compile(vanilla.model, backend=be), vanilla, grad=True)).backward()
+    loss_of(run(case.model, case, grad=True)).backward()
+    own = dict(case.model.named_parameters())
+    for name, p in vanilla.model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, own[name].grad, rtol=1e-3, atol=1e-5)

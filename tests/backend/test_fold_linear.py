@@ -10,6 +10,7 @@ import torch
 from backend_cases import RTOL_OUT, kha_case, reference, rel, run
 
 import kha_compile as kc
+from kha_compile.model.carrier import make_transform
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])  # separate, fused Conv1D, interleaved [H, 3, Dh]
@@ -61,3 +62,28 @@ def test_fold_switched_off_keeps_the_matmuls():
     assert rel(got, ref) < RTOL_OUT
     assert be.stats.rewrites["fold_linear"] == 0
     assert [d.reason for d in be.stats.declined] == ["folding is switched off (fold=False)"] * case.num_sites
+
+
+class ReadTwice(torch.nn.Module):
+    """A KHA-Linear transform on the heads of a projection whose output is also added back raw."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.lin, self.heads = torch.nn.Linear(d, d), heads
+        self.t = make_transform("linear", d // heads)
+        with torch.no_grad():
+            self.t.weight.add_(0.2 * torch.randn(d // heads, d // heads, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.t(y.unflatten(-1, (self.heads, -1))).flatten(-2) + y  # ``+ y`` reads the raw features
+
+
+def test_fold_declined_when_another_op_reads_the_projection_features():
+    mod, x = ReadTwice().eval(), torch.randn(3, 5, 16)
+    be = kc.backend(compiler="eager")
+    with torch.no_grad():
+        got, ref = torch.compile(mod, backend=be)(x), mod(x)
+    assert be.stats.rewrites["fold_linear"] == 0
+    assert any("also reads the transformed features" in why for _, _, why in be.stats.declined)
+    assert rel(got, ref) < RTOL_OUT

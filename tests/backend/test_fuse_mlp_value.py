@@ -33,6 +33,8 @@ class HandMLP(nn.Module):
             return 2.0 * (((v @ up) * (v @ gate).sigmoid()) @ down)
         if self.form == "no_factor_2":
             return ((v @ up) * torch.sigmoid(v @ gate)) @ down
+        if self.form == "gate_reads_other":  # the gate reads another tensor than the up-projection
+            return 2 * ((v @ up) * torch.sigmoid(torch.roll(v, 1, 0) @ gate)) @ down
         if self.form == "shared_intermediate":
             a = v @ up
             return 2 * (a * torch.sigmoid(v @ gate)) @ down + a
@@ -54,6 +56,16 @@ def test_decomposed_mlp_value_rewritten(form):
     assert be.stats.rewrites["fuse_mlp_value"] == 1 and be.stats.mlp_value_ops == 1
     # the fused op is the only computation left (no matmul, sigmoid or scaling in any spelling)
     assert [t for t in seen[0] if t not in (operator.getitem,)] == [torch.ops.kha.mlp_value.default]
+    assert rel(got, ref) < RTOL_OUT
+
+
+def test_a_gate_that_reads_another_tensor_is_not_fused():
+    """``2 * ((x @ W_up) * sigmoid(y @ W_gate)) @ W_down`` with y != x is not KHA-MLP: left as it is."""
+    mod, v = HandMLP(form="gate_reads_other"), torch.randn(4, 16)
+    be = kc.backend(compiler="eager")
+    with torch.no_grad():
+        got, ref = torch.compile(mod, backend=be)(v), mod(v)
+    assert be.stats.rewrites["fuse_mlp_value"] == 0 and be.stats.mlp_value_ops == 0
     assert rel(got, ref) < RTOL_OUT
 
 

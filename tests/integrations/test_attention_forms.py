@@ -175,11 +175,14 @@ def test_tied_projections_share_one_transform_and_fold_exactly(v):
         assert [n for n in kha_params(model) if n.endswith("v.up")] == ["blocks.0.v.kha.v.up"]
 
 
-def test_keys_equal_to_values_are_skipped_with_the_reason():
-    report = kc.inspect(fz.KEqualsV(), example_args=(_x(),))
-    assert report.matched  # inspect plans no transform, so nothing collides
-    with pytest.raises(NoAttentionFoundError, match=r"k and v are the same features of kv \(k = v\)"):
-        kc.apply(fz.KEqualsV(), kc.KHAConfig(v="mlp"), example_args=(_x(),))
+def test_keys_equal_to_values_get_transforms_on_the_attention_arguments():
+    """K = V from one projection: T^V on the value argument of the attention, nothing after ``kv``
+    (tests/integrations/test_attention_forms_more.py checks the per-head reference)."""
+    model = fz.KEqualsV()
+    kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(_x(),))
+    (site,) = kc.inspect(model, example_args=(_x(),)).matched
+    assert site.transforms == {"v": "mlp"} and "k = v" in site.note
+    assert sorted(kha_params(model)) == ["kha.v.down", "kha.v.gate", "kha.v.up"]
 
 
 def test_a_grouped_conv_whose_groups_cut_the_heads_is_skipped_with_the_reason():

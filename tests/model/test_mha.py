@@ -3,14 +3,14 @@ bit-exact at init against the untouched model, also when fed permuted (non-conti
 
 The reference is a deep copy taken before ``kc.apply`` and run in the same grad mode. Linear KHA
 keeps torch's own forward (fast paths included) on the folded in-projection, so it must equal the
-untouched model as it runs by default. MLP-value cannot fold, so it keeps the fast paths off and
-runs the regular path: it must equal the untouched model with the fast path switched off
-(``torch.backends.mha.set_fastpath_enabled(False)``), bit for bit.
+untouched model as it runs by default. MLP-value cannot fold; while it holds exactly its
+identity-init tensors it changes nothing, so without a gradient the module keeps torch's own
+forward (fast paths included) too: it must equal the untouched model as it runs by default, bit
+for bit. Once trained (perturbed) it runs the regular path with the transform.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import os
@@ -75,24 +75,13 @@ class PermutedEncoderLayer(nn.Module):
         return self.layer(_non_contiguous(x) if self.batch_first else x.permute(1, 0, 2))
 
 
-@contextlib.contextmanager
-def _fast_path(enabled: bool):
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
-
-
 def _assert_identity_exact(ref: nn.Module, model: nn.Module, args: tuple, cfg_name: str) -> None:
-    """Under grad and under no_grad, ``model`` (KHA at init) equals ``ref`` (untouched) bit for bit."""
-    foldable = cfg_name != "mlp"
+    """Under grad and under no_grad, ``model`` (KHA at init) equals ``ref`` (untouched, torch's default
+    paths, the fused fast path under no_grad included) bit for bit."""
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             got = model(*args)
-            with _fast_path(foldable):  # MLP-value runs the regular path: compare with the regular path
-                want = ref(*args)
+            want = ref(*args)
         diff = (got - want).abs().max().item()
         assert torch.equal(got, want), f"grad={grad}: max |KHA - untouched| = {diff:.3g}"
 
@@ -182,3 +171,67 @@ def test_bit_exact_identity_holds_on_avx2_kernels_too():
         timeout=120,
     )
     assert probe.stdout.strip() == "AVX2"
+
+
+def test_mlp_value_off_identity_runs_the_regular_path_and_trains_through_its_transform():
+    """The fast path at identity is a shortcut only: a moved MLP-value (no_grad) is applied, equal to the
+    regular path under grad; with the in-projection frozen, a backward still reaches the transform."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 32)
+    kc.apply(layer, kc.KHAConfig(v="mlp"), example_args=(x,))
+    for p in layer.self_attn.parameters():
+        if all(p is not q for q in layer.self_attn.kha.parameters()):
+            p.requires_grad_(False)
+    kha = [p for n, p in layer.self_attn.named_parameters() if n.startswith("kha.")]
+    for p in kha:
+        p.requires_grad_(True)
+    layer(x).sum().backward()  # at identity, under grad: the regular path, the gate gets a gradient
+    assert all(p.grad is not None for p in kha) and bool(layer.self_attn.kha["v"].gate.grad.abs().sum() > 0)
+    with torch.no_grad():
+        layer.self_attn.kha["v"].gate.add_(0.1)
+        moved = layer(x)
+        assert (moved - ref(x)).abs().max() > 1e-3
+    with torch.enable_grad():
+        regular = layer(x).detach()
+    torch.testing.assert_close(moved, regular, rtol=1e-5, atol=1e-6)
+
+
+def _mha_reference(attn: nn.Module, q_in: torch.Tensor, kv_in: torch.Tensor, v_in: torch.Tensor) -> torch.Tensor:
+    """Batch-first ``nn.MultiheadAttention`` with separate q/k/v weights, head by head from the stored
+    parameters, each head vector through the role's KHA transform (``x @ T``)."""
+    sd = attn.state_dict()
+    E, H = attn.embed_dim, attn.num_heads
+    b = sd["in_proj_bias"]
+    t = {r: sd[f"kha.{r}.weight"] for r in "qkv"}
+    q, k, v = (
+        F.linear(inp, sd[f"{r}_proj_weight"], b[i * E : (i + 1) * E]).unflatten(-1, (H, -1)).transpose(1, 2) @ t[r]
+        for i, (r, inp) in enumerate((("q", q_in), ("k", kv_in), ("v", v_in)))
+    )  # (B, H, L, Dh)
+    o = torch.softmax(q @ k.transpose(-1, -2) / (E // H) ** 0.5, dim=-1) @ v
+    return F.linear(o.transpose(1, 2).flatten(2), sd["out_proj.weight"], sd["out_proj.bias"])
+
+
+def test_multihead_attention_with_kdim_and_vdim_folds_each_role_into_its_own_bias_slice():
+    """Separate q/k/v weights (kdim, vdim) and a packed bias: weight-side inference and kc.fold put each
+    role's T into its own slice of in_proj_bias, checked against a per-head reference."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(32, 4, kdim=24, vdim=20, batch_first=True).eval()
+    with torch.no_grad():
+        attn.in_proj_bias.normal_()  # trained-like: torch initialises it to zeros
+    q_in, k_in, v_in = torch.randn(2, 50, 32), torch.randn(2, 60, 24), torch.randn(2, 60, 20)
+    kc.apply(attn, LINEAR, example_args=(q_in, k_in, v_in))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in attn.kha.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+        want = _mha_reference(attn, q_in, k_in, v_in)
+        weight_side = attn(q_in, k_in, v_in, need_weights=False)[0]  # no gradient: folded in-projection
+    token_side = attn(q_in, k_in, v_in)[0].detach()
+    torch.testing.assert_close(weight_side, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(token_side, want, rtol=1e-4, atol=1e-5)
+    kc.fold(attn)
+    assert type(attn) is nn.MultiheadAttention
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q_in, k_in, v_in, need_weights=False)[0], want, rtol=1e-4, atol=1e-5)

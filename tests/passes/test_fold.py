@@ -66,6 +66,24 @@ def test_fold_is_exact_and_restores_the_original_model(name):
     assert no_kha_left(case.model)
 
 
+def test_fold_of_multihead_attention_with_kdim_and_vdim_puts_each_role_in_its_own_bias_slice():
+    """Separate q/k/v weights, one packed bias: each role's T folds into its own third of ``in_proj_bias``.
+    The expected output is the token-side KHA model (transforms after the in-projection, no fold)."""
+    torch.manual_seed(0)
+    attn = torch.nn.MultiheadAttention(32, 4, kdim=24, vdim=20, batch_first=True).eval()
+    with torch.no_grad():
+        attn.in_proj_bias.normal_()  # torch initialises it to zeros, where a misplaced fold is exact
+    q, k, v = torch.randn(2, 6, 32), torch.randn(2, 9, 24), torch.randn(2, 9, 20)
+    kc.apply(attn, LINEAR, example_args=(q, k, v))
+    perturb(attn)
+    with torch.enable_grad():  # few tokens and a gradient: token-side, nothing folded
+        expected = attn(q, k, v)[0].detach()
+    kc.fold(attn)
+    assert type(attn) is torch.nn.MultiheadAttention
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q, k, v)[0], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_strict_fold_with_mlp_value_is_refused_and_changes_nothing():
     case = zoo.make("llama")
     kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"))

@@ -55,6 +55,20 @@ def _parse(node: Node) -> tuple[list[str], str, list[Node]] | None:
     return ins, out, ops
 
 
+def _reads_params(g: MatchGraph, node: Node, limit: int = 400) -> bool:
+    """True when a parameter is among the inputs ``node`` is computed from (within ``limit`` nodes)."""
+    seen, stack = {node}, [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n.op == "placeholder" and n.name in g.params:
+            return True
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return bool(stack)  # gave up: assume it does
+
+
 def _contracted(ins: list[str], out: str) -> list[str]:
     return [c for c in ins[0] if c in ins[1] and c not in out]
 
@@ -163,7 +177,12 @@ class EinsumSoftmaxRule:
                     continue
                 parsed = _parse(n)
                 # not a projection (an einsum with a weight); a query made of parameters is fine
-                if parsed is not None and g.as_projection(n) is None and not all(g.is_param(o) for o in parsed[2]):
+                if (
+                    parsed is not None
+                    and g.as_projection(n) is None
+                    and not all(g.is_param(o) for o in parsed[2])
+                    and all(_reads_params(g, o) for o in parsed[2])  # not a product of masks (Longformer's)
+                ):
                     ins, out, ops = parsed
                     return (ins[0], ins[1]), out, (ops[0], ops[1])
                 if n.target in _SOFTMAX:
@@ -186,7 +205,7 @@ class EinsumSoftmaxRule:
         return out
 
     @staticmethod
-    def _value(g: MatchGraph, softmax: Node, depth: int = 6) -> Any:
+    def _value(g: MatchGraph, softmax: Node, depth: int = 12) -> Any:
         """The einsum of the probabilities with v (either operand order); an einsum with a parameter
         (talking heads: ``einsum("bhij,hg->bgij", p, W)`` mixes the heads) is stepped over."""
         frontier = [softmax]
