@@ -149,7 +149,6 @@ def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tens
     return idx
 
 
-
 # Ops whose output features are a rearrangement of the input's (target -> how to apply to an index tensor).
 LAYOUT_OPS: dict[Any, Callable] = {}
 for _op in (
