@@ -348,6 +348,8 @@ def main(argv=None) -> dict:
     load_after = os.getloadavg()[0]
     elapsed = time.perf_counter() - t0
     verdict = "goal met" if worst_eager <= GOAL else ("must-hold met" if worst_eager <= MUST else "MISSED")
+    if not any(m in EAGER_MODES for m in modes):
+        verdict = "no eager cells run"
     print(
         f"worst eager pass / hand ratio {worst_eager:.3f} (goal <= {GOAL:.2f}, must hold <= {MUST:.2f}: {verdict}); "
         f"±: half the interquartile range of the per-turn ratios, [..]: 95% interval of their median; "

@@ -241,7 +241,8 @@ def _randomize_zeros(model: nn.Module) -> None:
         for name, p in model.named_parameters():
             if p.is_meta or not p.is_floating_point() or name.endswith("bias"):
                 continue
-            if p.dim() >= 2 and not bool(p.any()):
+            if p.dim() >= 2 and bool((p.abs() <= 1e-4).all()):  # a zero or tiny-init matrix (a classifier
+                # head at head_init_scale): random, not ones (a matrix of ones sums LayerNorm'd features to 0)
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
             elif bool((p.abs() <= 1e-4).all()):  # a zero norm scale, a 1e-5 layer scale (C,) or (C, 1, 1)
                 p.fill_(1.0)

@@ -23,7 +23,7 @@ from ..core.kinds import Role, SiteKind
 from ..core.report import AttentionSite
 from ..model.carrier import transforms_of
 from ..model.config import KHAConfig
-from ..model.slots import HeadSlot
+from ..model.slots import HeadSlot, union_slots
 from ..model.transforms import get_transform, kind_of
 from . import PlanEntry, ProjectionHandler, choose_handler
 
@@ -96,6 +96,12 @@ def build_sites(
             homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
                 r: rename(h.entry_path(raw.roles[r])) if (h := handlers[r][0]) is not None else paths[r] for r in "qkv"
             }
+            merged, conflicts = _merge_with_planned(plan, kinds, homes, slots, handlers)
+            if conflicts:
+                sites.append(
+                    AttentionSite(name, "skipped", "; ".join(conflicts), anchor=raw.anchor, found=sorted(raw.roles))
+                )
+                continue
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
             others = {
                 r: [rename(p) for p in dict.fromkeys(m.projection.module_path for m in ms) if p != paths_own[r]]
@@ -124,6 +130,11 @@ def build_sites(
                 h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
             ]
+            if merged:
+                notes.append(
+                    f"heads split over several attention calls: {', '.join(sorted(merged))} share one transform "
+                    "over all the heads those calls read from the projection"
+                )
             site.note = "; ".join(x for x in (site.note, *notes) if x)
             sites.append(site)
             for r, tk in kinds.items():
@@ -143,7 +154,10 @@ def build_sites(
                 if handler is not None and handler.plans_roles:
                     handler.plan_role(entry, r, raw.roles[r], tk)
                     continue
-                if any(s.role == r for s in entry.slots):
+                planned = [i for i, s in enumerate(entry.slots) if s.role == r]
+                if planned:
+                    if r in merged:  # this call reads other heads of the projection: the slot covers both
+                        entry.slots[planned[0]] = merged[r]
                     continue
                 entry.slots.append(slots[r])
                 entry.kinds[r] = tk
@@ -152,6 +166,41 @@ def build_sites(
                     _add_borrower(plan, rename(jpath), jhandler, jslot, width, kinds[r], paths[r], cfg)
     _share_tied(model, plan)
     return sites, list(plan.values())
+
+
+def _merge_with_planned(
+    plan: dict[str, PlanEntry],
+    kinds: dict[str, str],
+    homes: dict[str, str],
+    slots: dict[str, HeadSlot],
+    handlers: dict[str, tuple[ProjectionHandler | None, str]],
+) -> tuple[dict[str, HeadSlot], list[str]]:
+    """Slots of roles whose projection an earlier site already planned with other heads, merged.
+
+    One projection read by several attention calls, each over a part of its heads (diffusers'
+    sliced attention, a differential attention's two halves), gets one transform per role over all
+    those heads. Returns (role -> merged slot, reasons the heads cannot be one role's heads).
+    """
+    merged: dict[str, HeadSlot] = {}
+    conflicts: list[str] = []
+    for r in kinds:
+        handler = handlers[r][0]
+        entry = plan.get(homes[r])
+        if entry is None or r not in slots or (handler is not None and handler.plans_roles):
+            continue
+        old = next((s for s in entry.slots if s.role == r), None)
+        if old is None or old == slots[r]:
+            continue
+        union = union_slots(old, slots[r])
+        if union is None:
+            conflicts.append(
+                f"{r}: {homes[r]} is read by another attention call with other heads of {r} "
+                f"({old.num_heads} x {old.head_dim} there, {slots[r].num_heads} x {slots[r].head_dim} here) "
+                "that overlap in part; one shared transform cannot cover both"
+            )
+        elif union != old:
+            merged[r] = union
+    return merged, conflicts
 
 
 def heads_note(raw: RawSite) -> str:

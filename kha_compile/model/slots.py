@@ -26,7 +26,7 @@ from torch import Tensor
 from ..core.errors import UnsupportedLayoutError
 from ..core.kinds import Role
 
-__all__ = ["HeadSlot", "Piece", "apply_segments", "layout_plan", "segment_pieces", "transform_slices"]
+__all__ = ["HeadSlot", "Piece", "apply_segments", "layout_plan", "segment_pieces", "transform_slices", "union_slots"]
 
 # (start, length, (head dim, transform) | None): one piece of a projection output's last axis
 Piece = tuple[int, int, "tuple[int, Callable[[Tensor], Tensor]] | None"]
@@ -76,6 +76,40 @@ class HeadSlot:
         else:
             d["rows"] = list(self.rows)
         return d
+
+
+def union_slots(a: HeadSlot, b: HeadSlot) -> HeadSlot | None:
+    """One slot holding the heads of both (one role of one projection read by several attention calls).
+
+    Heads split over calls (diffusers' sliced attention, a differential attention's two halves) each
+    see a part of a projection's heads; the shared transform belongs on all of them. None when the two
+    cannot be one role's heads: another role or head size, or a head of one overlapping a head of the
+    other in part.
+
+    Example::
+
+        union_slots(HeadSlot("q", 0, 2, 16, 16), HeadSlot("q", 32, 2, 16, 16))     # 4 heads at 0..63
+    """
+    if a.role != b.role or a.head_dim != b.head_dim:
+        return None
+    heads: dict[tuple[int, ...], None] = {}
+    for slot in (a, b):
+        for row in slot.index().tolist():
+            heads[tuple(row)] = None
+    rows = sorted(heads, key=lambda r: r[0])
+    seen: set[int] = set()
+    for row in rows:
+        if seen & set(row):  # a head sharing some of its features with another head
+            return None
+        seen.update(row)
+    index = torch.tensor(rows, dtype=torch.long)  # (H, Dh)
+    H, Dh = index.shape
+    offset = int(index[0, 0])
+    stride = int(index[1, 0] - index[0, 0]) if H > 1 else Dh
+    affine = offset + torch.arange(H).unsqueeze(1) * stride + torch.arange(Dh)
+    if stride >= Dh and torch.equal(index, affine):
+        return HeadSlot(a.role, offset, H, Dh, stride)
+    return HeadSlot.indexed(a.role, index)
 
 
 def layout_plan(slots: tuple[HeadSlot, ...], out_features: int) -> tuple[str, int]:
