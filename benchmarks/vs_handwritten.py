@@ -351,7 +351,7 @@ def main(argv=None) -> dict:
     if not any(m in EAGER_MODES for m in modes):
         verdict = "no eager cells run"
     print(
-        f"worst eager pass / hand ratio {worst_eager:.3f} (goal <= {GOAL:.2f}, must hold <= {MUST:.2f}: {verdict}); "
+        f"worst eager pass / hand ratio {worst_eager if verdict != 'no eager cells run' else float('nan'):.3f} (goal <= {GOAL:.2f}, must hold <= {MUST:.2f}: {verdict}); "
         f"±: half the interquartile range of the per-turn ratios, [..]: 95% interval of their median; "
         f"load average {load_before:.2f} -> {load_after:.2f}; {elapsed:.0f} s"
     )
