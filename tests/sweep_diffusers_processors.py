@@ -36,7 +36,11 @@ __all__ = ["CI_PROCESSORS", "SETUPS", "processor_classes", "run_processor"]
 SEED = 0
 DIM, HEADS, DH, CTX, BATCH, TOKENS, CTX_TOKENS = 32, 2, 16, 24, 6, 10, 7  # BATCH 6: PAG splits it in 2 or 3
 
-CI_PROCESSORS = ("AttnProcessor2_0",)  # the default processor of every Attention
+CI_PROCESSORS = (
+    "AttnProcessor2_0",  # the default processor of every Attention
+    "SlicedAttnProcessor",  # one attention call per slice of (batch x heads): heads split over calls
+    "SlicedAttnAddedKVProcessor",  # ... with added (joint) key/value streams
+)
 
 # constructor arguments the processors require
 PROCESSOR_ARGS: dict[str, dict[str, Any]] = {

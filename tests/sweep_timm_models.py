@@ -44,6 +44,7 @@ __all__ = ["CI_ARCHS", "build", "example_args", "import_timm", "layout", "run_ar
 CI_ARCHS = (
     "vit_small_patch16_224",  # timm.layers.Attention: fused qkv [Q | K | V], SDPA; checked per head
     "swin_tiny_patch4_window7_224",  # windowed attention with a relative position bias
+    "vit_dwee_patch16_reg1_gap_256",  # differential attention: each head's two halves in two calls
 )
 
 SEED = 0

@@ -338,6 +338,10 @@ def _add_borrower(
         path, PlanEntry(path, handler.name, [], {}, width, cfg.strategy if cfg is not None else "auto")
     )
     if slot.role in entry.kinds:
+        i = next((i for i, s in enumerate(entry.slots) if s.role == slot.role), None)
+        union = union_slots(entry.slots[i], slot) if i is not None and entry.slots[i] != slot else None
+        if union is not None:  # another attention call reads other heads of this stream (sliced attention)
+            entry.slots[i] = union
         return
     if entry.kinds.keys() - entry.borrow.keys():
         raise UnsupportedModelError(
