@@ -338,10 +338,12 @@ def _add_borrower(
         path, PlanEntry(path, handler.name, [], {}, width, cfg.strategy if cfg is not None else "auto")
     )
     if slot.role in entry.kinds:
-        i = next((i for i, s in enumerate(entry.slots) if s.role == slot.role), None)
-        union = union_slots(entry.slots[i], slot) if i is not None and entry.slots[i] != slot else None
-        if union is not None:  # another attention call reads other heads of this stream (sliced attention)
-            entry.slots[i] = union
+        for i, planned in enumerate(entry.slots):
+            if planned.role == slot.role and planned != slot:
+                union = union_slots(planned, slot)
+                if union is not None:  # another attention call reads other heads of this stream (sliced attention)
+                    entry.slots[i] = union
+                break
         return
     if entry.kinds.keys() - entry.borrow.keys():
         raise UnsupportedModelError(
