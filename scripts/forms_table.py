@@ -261,6 +261,29 @@ FORMS += [
     ]
 ]
 
+FORMS += [
+    Form(name, rule, rf"tests/analysis/{test}", "-", "CPU and GPU")
+    for name, rule, test in [
+        (
+            "values channels first: `v @ softmax(q^T k)^T` over (B, H, Dh, N), 1x1 convolutions as projections "
+            "(LeViT-conv, SHViT)",
+            "manual_softmax",
+            r"rules/test_manual_softmax.py::test_values_channels_first_match_a_per_head_reference",
+        ),
+        (
+            "RoPE on interleaved pairs unbound and written back into slices of `empty_like` (Wan)",
+            "sdpa",
+            r"test_layout_ops.py::test_rope_on_unbound_pairs_written_back_matches_a_per_head_reference",
+        ),
+        (
+            "tokens selected at run time (a data-dependent count), joined with a context stream "
+            "(HunyuanVideo-Framepack)",
+            "sdpa",
+            r"test_layout_ops.py::test_data_dependent_token_count_joined_with_a_context_matches_a_per_head_reference",
+        ),
+    ]
+]
+
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
 
 

@@ -7,7 +7,7 @@ example inputs kha_compile builds from the config, and checks:
 
 * nothing but a ``KHAError`` is raised;
 * every counted attention call is a site of the report, matched or skipped with a reason
-  (``len(report.sites) == count``; sites beyond the count must be skipped ones, as for a
+  (the calls the sites stand for equal ``count``: one per head where heads are modules; sites beyond the count must be skipped ones, as for a
   softmax(q @ k^T) of rank 2 the count leaves out);
 * logits bit-identical at init; perturbing every ``.kha.`` parameter moves them;
 * for the linear config, ``kc.fold`` keeps them (within 1e-4) and leaves no ``.kha.`` parameter;
@@ -335,6 +335,11 @@ def _prepare(make: Callable[[], tuple[Any, tuple, dict]], rec: dict, output: Cal
     return model, args, kwargs, ref, counter.count
 
 
+def _calls(sites: list) -> int:
+    """The attention calls the sites stand for (a site of heads written as modules is one per head)."""
+    return sum(s.calls for s in sites)
+
+
 def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
     args, kwargs, ref, count = case.args, case.kwargs, case.ref, case.count
     inputs = (args, kwargs) if case.pass_inputs else ((), None)
@@ -355,7 +360,7 @@ def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
         rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
         if count == 0 and not report.sites:
             rec.update(status="no_attention")
-        elif len(report.sites) == count and all(s.reason for s in report.sites):
+        elif _calls(report.sites) == count and all(s.reason for s in report.sites):
             rec.update(status="skipped", reason=report.sites[0].reason[:300])
         else:
             _fail(rec, "site count mismatch", exc)
@@ -369,10 +374,10 @@ def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
         return _fail(rec, "inspect or forward after apply fails", exc)
     rec.update(matched=len(report.matched), skipped=len(report.skipped), trace_path=report.trace_path)
     rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
-    if len(report.sites) != count:  # more sites than counted calls is fine where the extra ones are skipped
-        extra = len(report.sites) - count  # (a degenerate softmax(q @ k^T) of rank 2 the count leaves out)
-        if extra < 0 or len(report.matched) > count:
-            return _fail(rec, f"site count mismatch ({len(report.sites)} sites, {count} calls)")
+    if _calls(report.sites) != count:  # more sites than counted calls is fine where the extra ones are skipped
+        extra = _calls(report.sites) - count  # (a degenerate softmax(q @ k^T) of rank 2 the count leaves out)
+        if extra < 0 or _calls(report.matched) > count:
+            return _fail(rec, f"site count mismatch ({_calls(report.sites)} site calls, {count} calls)")
         rec["extra_skipped_sites"] = extra
     if not torch.equal(out0, ref):
         rec["identity_max_diff"] = _max_diff(out0, ref)

@@ -11,6 +11,7 @@ merged (B*H) layouts come out of the same rule, with no per-model tables.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, cast
@@ -54,6 +55,14 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
     return None
 
 
+def same_shape(a: Any, b: Any) -> bool:
+    """Both nodes are tensors of one shape, symbolic sizes included (``u1 + 23`` equals only itself)."""
+    va, vb = (n.meta.get("val") if isinstance(n, Node) else None for n in (a, b))
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return False
+    return [str(s) for s in va.shape] == [str(s) for s in vb.shape]
+
+
 def token_shape(node: Any) -> tuple[int, ...] | None:
     """``shape_of``, with each data-dependent size (rows routed to one expert: ``u0``) as 1.
 
@@ -80,8 +89,10 @@ def _to_output_shape(method: str) -> Callable:
 
     def run(idx: Tensor, node: Node, *_a, **_k) -> Tensor:
         shape = shape_of(node)
-        if shape is None:
-            raise NotLayout("no static shape")
+        if shape is None:  # data-dependent token counts (as 1, as in the index): features must keep their count
+            shape = token_shape(node)
+            if shape is None or math.prod(shape) != idx.numel():
+                raise NotLayout("no static shape")
         return getattr(idx, method)(shape)
 
     return run

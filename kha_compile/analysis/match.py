@@ -27,7 +27,17 @@ from .completeness import unclaimed
 from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
 from .heads import group_heads
 from .joint import resolve_role, through_cat
-from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of, token_shape
+from .layout import (
+    INDEX_OPS,
+    LAYOUT_OPS,
+    HeadMap,
+    NotLayout,
+    push_layout,
+    read_head_map,
+    same_shape,
+    shape_of,
+    token_shape,
+)
 from .rules import Anchor, attention_rules
 from .writes import through_write, written_value
 
@@ -128,6 +138,7 @@ def _role_match(
     stop = ""
     joined = False
     path_set = set(path)
+    seen: list[tuple[Node, torch.Tensor]] = []  # chain nodes with a tensor index, in order
     for i, node in enumerate(chain):
         if i > 0:
             prev = chain[i - 1]
@@ -144,8 +155,10 @@ def _role_match(
                     idx = push_layout(idx, node, prev, g.constants)
                 elif prev in g.writes.get(node, ()) or (written_value(node) is prev and prev is not None):
                     idx = through_write(idx, node, prev)  # a cache written in place, rows scattered back
-                elif shape_of(node) is not None and shape_of(node) == shape_of(prev):
+                elif same_shape(node, prev):
                     pass  # a value op or region that keeps each feature in place (RoPE, norm, scaling)
+                elif isinstance(idx, tuple) and (back := _region_entry(seen, node)) is not None:
+                    idx = back  # RoPE on pairs: split or unbound, then written back whole (Wan's empty_like + slices)
                 elif isinstance(idx, tuple) and node.target is not None:
                     raise NotLayout(f"tuple consumed by {node.target}")
                 else:
@@ -156,6 +169,8 @@ def _role_match(
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
                 stop = f"stopped at {node.name}: {exc}"
                 break
+        if isinstance(idx, torch.Tensor):
+            seen.append((node, idx))
         here = idx
         if node is target and isinstance(idx, torch.Tensor) and head_axis % max(idx.dim(), 1) != idx.dim() - 1:
             here = idx.movedim(head_axis, -1)  # the head vector on another axis at the attention
@@ -175,6 +190,19 @@ def _role_match(
     )
     qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
     return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), ""
+
+
+def _region_entry(seen: list[tuple[Node, torch.Tensor]], node: Node) -> torch.Tensor | None:
+    """The index at the nearest earlier chain node of ``node``'s shape, when a tuple op's pieces come back to it.
+
+    A region that takes a tensor apart (``unbind`` of RoPE's pairs) and gives back one of the
+    shape it started from keeps each feature in place, as a value region between two nodes of one
+    shape does.
+    """
+    for earlier, idx in reversed(seen):
+        if same_shape(earlier, node):
+            return idx
+    return None
 
 
 _CONV_OPS = {aten.conv1d.default, aten.convolution.default}

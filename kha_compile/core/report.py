@@ -35,6 +35,7 @@ class AttentionSite:
     joint: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     join: dict[str, str] = dataclasses.field(default_factory=dict)
     found: list[str] = dataclasses.field(default_factory=list)  # skipped: roles traced back to a projection
+    calls: int = 1  # attention calls the site stands for: one per head where heads are separate modules
 
     def projections(self, role: str) -> list[str]:
         """Every projection module path of ``role``: its own, then those of joint streams."""

@@ -58,11 +58,17 @@ def build_sites(
     plan: dict[str, PlanEntry] = {}
     for raw in raw_sites:
         copies = _copies(raw, cap)
+        calls = max(raw.heads.values(), default=1)  # heads as modules: one call per head
         if raw.reason or set(raw.roles) != {"q", "k", "v"}:
             for name, _ in copies:
                 sites.append(
                     AttentionSite(
-                        name, "skipped", raw.reason or "incomplete match", anchor=raw.anchor, found=sorted(raw.roles)
+                        name,
+                        "skipped",
+                        raw.reason or "incomplete match",
+                        anchor=raw.anchor,
+                        found=sorted(raw.roles),
+                        calls=calls,
                     )
                 )
             continue
@@ -90,7 +96,11 @@ def build_sites(
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
-                sites.append(AttentionSite(name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles)))
+                sites.append(
+                    AttentionSite(
+                        name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles), calls=calls
+                    )
+                )
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
             homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
@@ -99,7 +109,9 @@ def build_sites(
             merged, conflicts = _merge_with_planned(plan, kinds, homes, slots, handlers)
             if conflicts:
                 sites.append(
-                    AttentionSite(name, "skipped", "; ".join(conflicts), anchor=raw.anchor, found=sorted(raw.roles))
+                    AttentionSite(
+                        name, "skipped", "; ".join(conflicts), anchor=raw.anchor, found=sorted(raw.roles), calls=calls
+                    )
                 )
                 continue
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
@@ -124,6 +136,7 @@ def build_sites(
                 note=note,
                 joint=others,
                 join=dict(raw.join),
+                calls=calls,
             )
             current_transforms(model, site, homes)
             notes = [

@@ -163,6 +163,8 @@ class KHAProjection(nn.Module):
             or x.dim() == 0
         ):
             return ()
+        if torch.compiler.is_compiling():  # traced: token-side (use_weight_side), and no guard on a token count
+            return ()
         tokens = x.numel() // max(x.shape[-1], 1)
         strategy = self.kha_strategy
         if strategy == "auto" and tokens <= x.shape[-1]:  # token-side whatever the sources (strategy.py)

@@ -2,7 +2,9 @@
 (HaloNet's halo attention), and heads cut with ``reshape_as`` another tensor (LeViT):
 ``F.pad`` on an axis that holds no features and ``Tensor.unfold`` are layout ops the walk follows
 (``analysis/layout.py``), so each role reaches its projection; the perturbed output equals a per-head
-reference written from the state dict, and linear KHA folds. A pad on the feature axis is no layout."""
+reference written from the state dict, and linear KHA folds. A pad on the feature axis is no layout.
+RoPE on interleaved pairs, unbound and written back into slices of ``empty_like`` (Wan's), keeps
+each feature in place: the walk goes through the tuple to the tensor of the shape it started from."""
 
 from __future__ import annotations
 
@@ -111,3 +113,94 @@ class ShapeOfOtherNet(TwoBlocks):
 def test_heads_cut_with_reshape_as_match_a_per_head_reference(v):
     x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
     check_form(ShapeOfOtherNet, (x,), v, qk=True, reference=lambda m: m.reference(x))
+
+
+def _pair_angles(s: int) -> tuple[Tensor, Tensor]:
+    """cos, sin of each position for each interleaved pair (2i, 2i+1), as (S, 1, Dh/2)."""
+    t = torch.arange(s, dtype=torch.float32)[:, None] * torch.arange(DH // 2)[None] / DH
+    return t.cos()[:, None], t.sin()[:, None]
+
+
+def pair_rope(x: Tensor) -> Tensor:
+    """RoPE on interleaved pairs written as Wan does: pairs unbound, written back into slices of
+    ``empty_like``, then ``type_as``. x: (B, S, H, Dh)."""
+    cos, sin = _pair_angles(x.shape[1])
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class PairRopeAttention(nn.Module):
+    """Heads split, then the pair RoPE above on q and k (the tuple of ``unbind`` comes back whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(fz.D, fz.D) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (p(x).unflatten(-1, (H, DH)) for p in (self.q, self.k, self.v))  # (B, S, H, Dh)
+        q, k = pair_rope(q), pair_rope(k)
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return x + self.o(o.transpose(1, 2).flatten(2))
+
+
+class PairRopeNet(TwoBlocks):
+    block = PairRopeAttention
+
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
+        cos, sin = (a[:, 0] for a in _pair_angles(x.shape[1]))  # (S, Dh/2)
+
+        def rotate(h: Tensor) -> Tensor:  # (B, S, Dh), pairs (2i, 2i+1) turned by position
+            a, b = h[..., 0::2], h[..., 1::2]
+            return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+        q, k, v = ([kha_of(self, r, f"{p}.{r}")(t) for t in fz.split_heads(lin(sd, f"{p}.{r}", x))] for r in "qkv")
+        return x + lin(sd, f"{p}.o", attend([rotate(t) for t in q], [rotate(t) for t in k], v))
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_rope_on_unbound_pairs_written_back_matches_a_per_head_reference(v):
+    x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
+    check_form(PairRopeNet, (x,), v, qk=True, reference=lambda m: m.reference(x))
+
+
+class SelectedTokensAttention(nn.Module):
+    """Tokens picked by a mask (a data-dependent count, ``u0`` in the trace), heads split and scaled per
+    token, then joined with a context stream along the sequence (HunyuanVideo-Framepack's clean latents)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(fz.D, fz.D) for _ in range(4))
+        self.cq, self.ck, self.cv = (nn.Linear(fz.D, fz.D) for _ in range(3))
+
+    def forward(self, x: Tensor, ctx: Tensor) -> Tensor:
+        sel = x[:, (x[0, :, 0] > 0).nonzero()[:, 0]]  # (1, u0, D)
+        torch._check(sel.shape[1] <= x.shape[1])  # what export needs told to trace it whole
+        gain = sel.norm(dim=-1, keepdim=True)[..., None]  # (1, u0, 1, 1)
+        q, k, v = (
+            torch.cat([c(ctx).unflatten(-1, (H, DH)), p(sel).unflatten(-1, (H, DH)) * gain], 1).transpose(1, 2)
+            for p, c in ((self.q, self.cq), (self.k, self.ck), (self.v, self.cv))
+        )
+        o = F.scaled_dot_product_attention(q, k, v)  # (1, H, Sc + u0, Dh)
+        return self.o(o.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_data_dependent_token_count_joined_with_a_context_matches_a_per_head_reference(v):
+    x = torch.randn(1, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(1, 6, fz.D, generator=torch.Generator().manual_seed(1))
+
+    def reference(m: nn.Module) -> Tensor:
+        sd, sel = m.state_dict(), x[:, x[0, :, 0] > 0]
+        gain = sel.norm(dim=-1, keepdim=True)
+
+        def heads(r: str) -> list[Tensor]:  # one shared transform per role over both streams, as KHA is
+            t = kha_of(m, r, r, f"c{r}")
+            own = [t(h) * gain for h in fz.split_heads(lin(sd, r, sel))]
+            return [torch.cat([t(c), h], 1) for c, h in zip(fz.split_heads(lin(sd, f"c{r}", ctx)), own)]
+
+        return lin(sd, "o", attend(heads("q"), heads("k"), heads("v")))
+
+    check_form(SelectedTokensAttention, (x, ctx), v, sites=1, qk=True, reference=reference)

@@ -1,5 +1,8 @@
 """Rule ``manual_softmax``: ``softmax(q @ k^T ...) @ v`` written out (matmul, bmm or baddbmm scores).
 
+The value product may also be written channels first, ``v @ softmax(...)^T`` with v as (..., Dh, S)
+(LeViT's and EfficientViT's convolutional attention): v's head vector is then on its axis -2.
+
 Masks, ALiBi biases, scaling and logit soft-capping may sit between the scores and the softmax;
 dropout, casts and head masks between the softmax and the value matmul.
 """
@@ -12,7 +15,7 @@ import torch
 from torch.fx import Node
 
 from ..graph import SDPA_OPS, SOFTMAX_OPS
-from ..layout import shape_of
+from ..layout import shape_of, token_shape
 from . import register_rule
 from .base import Anchor
 
@@ -45,11 +48,14 @@ class ManualSoftmaxRule:
         value_op = _value_op(g, node)
         if value_op is None:
             return Anchor(node, self.name, {}, {}, f"softmax {node.name} has scores but no value matmul after it")
-        v = value_op.args[1]
+        channels_first = value_op.args[0] not in _probs(g, node)
+        v = value_op.args[0] if channels_first else value_op.args[1]
         kt_shape = shape_of(kt) or (0, 0)
-        dims = {"q": (shape_of(q) or (0,))[-1], "k": kt_shape[-2], "v": (shape_of(v) or (0,))[-1]}
+        v_dim = (token_shape(v) or (0, 0))[-2 if channels_first else -1]
+        dims = {"q": (token_shape(q) or (0,))[-1], "k": kt_shape[-2], "v": v_dim}
         roles = {"q": q, "k": kt, "v": v}
-        return Anchor(value_op, self.name, roles, dims, head_axes={"k": -2})  # type: ignore[arg-type]
+        axes = {"k": -2, "v": -2} if channels_first else {"k": -2}
+        return Anchor(value_op, self.name, roles, dims, head_axes=axes)  # type: ignore[arg-type]
 
 
 def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
@@ -71,9 +77,32 @@ def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
     return None
 
 
+def _is_last_two_swap(n: Node) -> bool:
+    """``t.transpose(-2, -1)`` (or a permute that swaps only the last two axes)."""
+    shape = token_shape(n)
+    if shape is None or len(shape) < 2 or n.op != "call_function":
+        return False
+    rank = len(shape)
+    if n.target is aten.transpose.int:
+        return {d % rank for d in n.args[1:3]} == {rank - 2, rank - 1}  # type: ignore[operator]
+    if n.target is aten.permute.default:
+        perm = [int(d) % rank for d in n.args[1]]  # type: ignore[union-attr,arg-type]
+        return perm == [*range(rank - 2), rank - 1, rank - 2]
+    return False
+
+
+def _probs(g: MatchGraph, softmax: Node) -> set[Node]:
+    """The softmax and what is computed from it on the way to the value product (dropout, casts, masks)."""
+    out, frontier = {softmax}, [softmax]
+    for _ in range(6):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function" and u not in out]
+        out.update(frontier)
+    return out
+
+
 def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
     """The probs @ v op after the softmax (through dropout, casts, head masks, and products with a
-    parameter that mix the heads: talking heads)."""
+    parameter that mix the heads: talking heads), or ``v @ probs^T`` (values channels first)."""
     frontier = [softmax]
     for _ in range(6):
         nxt = []
@@ -84,6 +113,14 @@ def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
                     and user.args
                     and user.args[0] is n
                     and not (len(user.args) > 1 and g.is_weight(user.args[1]))
+                ):
+                    return user
+                if (
+                    user.target in (aten.matmul.default, aten.bmm.default)
+                    and len(user.args) > 1
+                    and user.args[1] is n
+                    and _is_last_two_swap(n)
+                    and not g.is_weight(user.args[0])
                 ):
                     return user
                 if user.op == "call_function" and user.target not in SOFTMAX_OPS:

@@ -8,7 +8,7 @@ import torch
 from torch.fx import Node
 
 from ..graph import SDPA_OPS
-from ..layout import shape_of
+from ..layout import token_shape
 from . import register_rule
 from .base import Anchor
 
@@ -31,7 +31,7 @@ class SDPARule:
             return None
         q, k, v = node.args[:3]
         roles = {"q": q, "k": k, "v": v}
-        dims = {r: (shape_of(n) or (0,))[-1] for r, n in roles.items()}
+        dims = {r: (token_shape(n) or (0,))[-1] for r, n in roles.items()}
         return Anchor(node, self.name, roles, dims)  # type: ignore[arg-type]
 
 

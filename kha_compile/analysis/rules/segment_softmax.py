@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.fx import Node
 
-from ..layout import INDEX_OPS, LAYOUT_OPS, shape_of
+from ..layout import INDEX_OPS, LAYOUT_OPS, shape_of, token_shape
 from ..writes import index_args
 from . import register_rule
 from .base import Anchor
@@ -160,7 +160,7 @@ class SegmentSoftmaxRule:
         if segment in index_args(_back(k, LAYOUT_OPS)) and segment not in index_args(_back(q, LAYOUT_OPS)):
             q, k = k, q  # the query is the factor gathered with the segment (target) index
         roles = {"q": q, "k": k, "v": v}
-        dims = {r: (shape_of(n) or (0,))[-1] for r, n in roles.items()}
+        dims = {r: (token_shape(n) or (0,))[-1] for r, n in roles.items()}
         return Anchor(node, self.name, roles, dims)
 
 
