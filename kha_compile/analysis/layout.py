@@ -311,7 +311,7 @@ def constant_index(node: Any, constants: dict[str, Tensor], depth: int = 0) -> T
 def _computed(ind: Node, idx: Tensor, axes: list[int], what: str) -> Tensor:
     """A stand-in for a computed index along ``axes``: zeros of its shape, valid while ``idx`` (the
     feature numbers) does not vary along those axes (a gather along tokens keeps every head vector)."""
-    shape, val = shape_of(ind), ind.meta.get("val")
+    shape, val = token_shape(ind), ind.meta.get("val")  # a data-dependent count of picks as 1
     if shape is None:
         raise NotLayout(f"{what} with a computed index of symbolic shape")
     if isinstance(val, Tensor) and val.dtype is torch.bool:

@@ -24,7 +24,17 @@ from torch.fx import Node
 
 from .attention_calls import AttentionArg, attention_arg
 from .completeness import unclaimed
-from .graph import ALLOC_OPS, NORM_OPS, TRIG_OPS, MatchGraph, Projection, module_path_of
+from .graph import (
+    ALLOC_OPS,
+    NORM_OPS,
+    PROJ_OPS,
+    SDPA_OPS,
+    SOFTMAX_OPS,
+    TRIG_OPS,
+    MatchGraph,
+    Projection,
+    module_path_of,
+)
 from .heads import group_heads
 from .joint import resolve_role, through_cat
 from .layout import (
@@ -139,8 +149,17 @@ def _role_match(
     joined = False
     path_set = set(path)
     seen: list[tuple[Node, torch.Tensor]] = []  # chain nodes with a tensor index, in order
+    region: tuple[Node, str] | None = None  # (where, why) a region that changed the shape opened, while in flight
     for i, node in enumerate(chain):
-        if i > 0:
+        if region is not None:  # inside a region that changed the shape: wait for one it started from
+            back = _region_entry(seen, node)
+            if back is None:
+                continue
+            if _mixes_features(g, region[0], node):  # a convolution or product in it: not a value region
+                stop, region = region[1], None
+                break
+            idx, region = back, None
+        elif i > 0:
             prev = chain[i - 1]
             if isinstance(idx, tuple):  # a tuple op (split, unbind) whose one used element is not on the chain
                 gets = [u for u in prev.users if u.target is operator.getitem and u in path_set]
@@ -167,6 +186,11 @@ def _role_match(
                 if node.target in LAYOUT_OPS or node.target in INDEX_OPS:
                     # a layout op we could not evaluate: the head map after it is unknown
                     return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
+                if isinstance(idx, torch.Tensor) and node.target not in ALLOC_OPS:
+                    # RoPE on interleaved pairs stacked back (Mochi: stack([cos, sin], -1).flatten(-2)): a value
+                    # region that returns to its entry's shape keeps each feature in place, as one op of one shape does
+                    region = (prev, f"stopped at {node.name}: {exc}")
+                    continue
                 stop = f"stopped at {node.name}: {exc}"
                 break
         if isinstance(idx, torch.Tensor):
@@ -178,6 +202,8 @@ def _role_match(
             hm = read_head_map(here)
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
+    if region is not None:  # never came back to its entry's shape: the head map after it is unknown
+        stop = region[1]
     if found is None:
         conv = _temporal_conv(path)
         if conv:
@@ -193,11 +219,12 @@ def _role_match(
 
 
 def _region_entry(seen: list[tuple[Node, torch.Tensor]], node: Node) -> torch.Tensor | None:
-    """The index at the nearest earlier chain node of ``node``'s shape, when a tuple op's pieces come back to it.
+    """The index at the nearest earlier chain node of ``node``'s shape, when a region comes back to it.
 
-    A region that takes a tensor apart (``unbind`` of RoPE's pairs) and gives back one of the
-    shape it started from keeps each feature in place, as a value region between two nodes of one
-    shape does.
+    A region that takes a tensor apart (``unbind`` of RoPE's pairs, Wan) or changes its shape with
+    value ops (pairs stacked, or rotated as ``(..., Dh/2, 1, 2)`` products and summed: Mochi, PRX)
+    and gives back one of the shape it started from keeps each feature in place, as a value region
+    between two nodes of one shape does.
     """
     for earlier, idx in reversed(seen):
         if same_shape(earlier, node):
@@ -206,6 +233,13 @@ def _region_entry(seen: list[tuple[Node, torch.Tensor]], node: Node) -> torch.Te
 
 
 _CONV_OPS = {aten.conv1d.default, aten.convolution.default}
+_MIXING_OPS = {*_CONV_OPS, aten.conv2d.default, aten.conv3d.default, *PROJ_OPS, *SOFTMAX_OPS, *SDPA_OPS}
+
+
+def _mixes_features(g: MatchGraph, start: Node, end: Node) -> bool:
+    """A convolution, product or attention on some path from ``start`` to ``end``: the region between
+    them mixes features (or tokens) and is no value region, whatever shape it gives back."""
+    return any(n.op == "call_function" and n.target in _MIXING_OPS for n in g.path_nodes(start, end))
 
 
 def _temporal_conv(path: list[Node]) -> str:

@@ -3,8 +3,10 @@
 ``F.pad`` on an axis that holds no features and ``Tensor.unfold`` are layout ops the walk follows
 (``analysis/layout.py``), so each role reaches its projection; the perturbed output equals a per-head
 reference written from the state dict, and linear KHA folds. A pad on the feature axis is no layout.
-RoPE on interleaved pairs, unbound and written back into slices of ``empty_like`` (Wan's), keeps
-each feature in place: the walk goes through the tuple to the tensor of the shape it started from."""
+RoPE on interleaved pairs, unbound and written back into slices of ``empty_like`` (Wan's), stacked
+back (Mochi's) or rotated as products over (..., Dh/2, 1, 2) (PRX's), keeps each feature in place:
+the walk goes through the region to the tensor of the shape it started from. Tokens picked by a
+mask (a data-dependent count) after or before the head split are tokens, and keep every head."""
 
 from __future__ import annotations
 
@@ -132,6 +134,23 @@ def pair_rope(x: Tensor) -> Tensor:
     return out.type_as(x)
 
 
+def stacked_pair_rope(x: Tensor) -> Tensor:
+    """The same rotation written as Mochi does: even and odd features sliced, turned, stacked and
+    flattened back (the walk meets a ``stack`` of shape (..., Dh/2, 2) between two of (..., Dh))."""
+    cos, sin = _pair_angles(x.shape[1])
+    a, b = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def product_pair_rope(x: Tensor) -> Tensor:
+    """The same rotation written as PRX does: pairs as (..., Dh/2, 1, 2), products with a (Dh/2, 2, 2)
+    rotation per position summed over the pair, reshaped back."""
+    cos, sin = _pair_angles(x.shape[1])
+    rot = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)  # (S, 1, Dh/2, 2, 2)
+    pairs = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    return (rot[..., 0] * pairs[..., 0] + rot[..., 1] * pairs[..., 1]).reshape(*x.shape).type_as(x)
+
+
 class PairRopeAttention(nn.Module):
     """Heads split, then the pair RoPE above on q and k (the tuple of ``unbind`` comes back whole)."""
 
@@ -164,6 +183,53 @@ class PairRopeNet(TwoBlocks):
 def test_rope_on_unbound_pairs_written_back_matches_a_per_head_reference(v):
     x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
     check_form(PairRopeNet, (x,), v, qk=True, reference=lambda m: m.reference(x))
+
+
+class JointPairRope(nn.Module):
+    """Image q and k rotated by a pair RoPE, then joined along the sequence with a context stream of its
+    own projections (Mochi's and PRX's joint attention): the walk from the attention must cross the
+    rotation, which changes the shape on the way, to reach the cat of both streams."""
+
+    rope: staticmethod
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(fz.D, fz.D) for _ in range(4))
+        self.cq, self.ck, self.cv = (nn.Linear(fz.D, fz.D) for _ in range(3))
+
+    def forward(self, x: Tensor, ctx: Tensor) -> Tensor:
+        img = [p(x).unflatten(-1, (H, DH)) for p in (self.q, self.k, self.v)]  # (B, S, H, Dh)
+        img[0], img[1] = self.rope(img[0]), self.rope(img[1])
+        q, k, v = (torch.cat([c(ctx).unflatten(-1, (H, DH)), t], 1) for c, t in zip((self.cq, self.ck, self.cv), img))
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return x + self.o(o.transpose(1, 2)[:, ctx.shape[1] :].flatten(2))
+
+
+class JointPairRopeNet(TwoBlocks):
+    def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor, ctx: Tensor) -> Tensor:
+        cos, sin = (a[:, 0] for a in _pair_angles(x.shape[1]))  # (S, Dh/2)
+
+        def rotate(h: Tensor) -> Tensor:  # (B, S, Dh), pairs (2i, 2i+1) turned by position
+            a, b = h[..., 0::2], h[..., 1::2]
+            return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+        def heads(r: str) -> list[Tensor]:  # one transform per role, shared by both streams
+            t = kha_of(self, r, f"{p}.{r}", f"{p}.c{r}")
+            own = [t(h) for h in fz.split_heads(lin(sd, f"{p}.{r}", x))]
+            own = [rotate(h) for h in own] if r != "v" else own
+            return [torch.cat([t(c), h], 1) for c, h in zip(fz.split_heads(lin(sd, f"{p}.c{r}", ctx)), own)]
+
+        return x + lin(sd, f"{p}.o", attend(heads("q"), heads("k"), heads("v"))[:, ctx.shape[1] :])
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+@pytest.mark.parametrize("rope", [pair_rope, stacked_pair_rope, product_pair_rope], ids=["wan", "mochi", "prx"])
+def test_rope_on_pairs_before_a_joint_stream_matches_a_per_head_reference(rope, v):
+    block = type("Block", (JointPairRope,), {"rope": staticmethod(rope)})
+    net = type("Net", (JointPairRopeNet,), {"block": block})
+    x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(fz.B, 6, fz.D, generator=torch.Generator().manual_seed(1))
+    check_form(net, (x, ctx), v, qk=True, reference=lambda m: m.reference(x, ctx))
 
 
 class SelectedTokensAttention(nn.Module):
@@ -204,3 +270,49 @@ def test_data_dependent_token_count_joined_with_a_context_matches_a_per_head_ref
         return lin(sd, "o", attend(heads("q"), heads("k"), heads("v")))
 
     check_form(SelectedTokensAttention, (x, ctx), v, sites=1, qk=True, reference=reference)
+
+
+class PerSampleSelection(nn.Module):
+    """Mochi's joint attention: context tokens picked per sample by its mask after the head split
+    (``t[i : i + 1, :, mask[i].nonzero()]``, a data-dependent count), joined with the sample's image
+    tokens, attended one sample at a time, padded back to full length and stacked over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(fz.D, fz.D) for _ in range(4))
+        self.cq, self.ck, self.cv = (nn.Linear(fz.D, fz.D) for _ in range(3))
+
+    def forward(self, x: Tensor, ctx: Tensor, mask: Tensor) -> Tensor:
+        img = [p(x).unflatten(-1, (H, DH)).transpose(1, 2) for p in (self.q, self.k, self.v)]  # (B, H, S, Dh)
+        txt = [p(ctx).unflatten(-1, (H, DH)).transpose(1, 2) for p in (self.cq, self.ck, self.cv)]
+        total = x.shape[1] + ctx.shape[1]
+        out = []
+        for i in range(x.shape[0]):
+            keep = mask[i].nonzero().flatten()
+            q, k, v = (torch.cat([a[i : i + 1], c[i : i + 1, :, keep]], dim=2) for a, c in zip(img, txt))
+            o = F.scaled_dot_product_attention(q, k, v)  # (1, H, S + n_i, Dh)
+            out.append(F.pad(o, (0, 0, 0, total - o.shape[2])))
+        return self.o(torch.cat(out).transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("v", ["linear", "mlp"])
+def test_per_sample_selection_by_a_mask_after_the_head_split_matches_a_per_head_reference(v):
+    x = torch.randn(fz.B, fz.S, fz.D, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(fz.B, 6, fz.D, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1], [1, 0, 0, 1, 1, 1]], dtype=torch.bool)  # 4 and 4 kept, not the same
+
+    def reference(m: nn.Module) -> Tensor:
+        sd, out = m.state_dict(), []
+        for i in range(fz.B):
+            xi, ci = x[i : i + 1], ctx[i : i + 1, mask[i]]
+
+            def heads(r: str, xi: Tensor = xi, ci: Tensor = ci) -> list[Tensor]:  # one transform per role
+                t = kha_of(m, r, r, f"c{r}")
+                own, picked = fz.split_heads(lin(sd, r, xi)), fz.split_heads(lin(sd, f"c{r}", ci))
+                return [torch.cat([t(a), t(c)], 1) for a, c in zip(own, picked)]
+
+            o = attend(heads("q"), heads("k"), heads("v"))  # (1, S + n_i, D)
+            out.append(F.pad(o, (0, 0, 0, x.shape[1] + ctx.shape[1] - o.shape[1])))
+        return lin(sd, "o", torch.cat(out))
+
+    check_form(PerSampleSelection, (x, ctx, mask), v, sites=fz.B, qk=True, reference=reference)

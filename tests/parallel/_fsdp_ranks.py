@@ -171,5 +171,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
         main(pathlib.Path(sys.argv[1]))
+        dist.barrier()  # leave together: a rank tearing gloo down while another still works can abort
     finally:
         dist.destroy_process_group()

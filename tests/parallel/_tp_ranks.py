@@ -288,5 +288,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
         {"tp": main_tp, "fsdp_tp": main_fsdp_tp}[sys.argv[1]]()
+        dist.barrier()  # leave together: a rank tearing gloo down while another still works can abort
     finally:
         dist.destroy_process_group()
