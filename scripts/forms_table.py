@@ -281,6 +281,24 @@ FORMS += [
             "sdpa",
             r"test_layout_ops.py::test_data_dependent_token_count_joined_with_a_context_matches_a_per_head_reference",
         ),
+        (
+            "attention over channels: scores of (Dh, Dh) per head summed over tokens (XCiT and EdgeNeXt "
+            "cross-covariance attention, DaViT channel blocks)",
+            "manual_softmax",
+            r"rules/test_manual_softmax.py::test_attention_over_channels_matches_a_per_head_reference",
+        ),
+        (
+            "RoPE on pairs stacked back or rotated as products over (..., Dh/2, 1, 2), before a joint "
+            "stream (Mochi, PRX)",
+            "sdpa",
+            r"test_layout_ops.py::test_rope_on_pairs_before_a_joint_stream_matches_a_per_head_reference",
+        ),
+        (
+            "context tokens picked per sample by a mask after the head split, attended one sample at a "
+            "time and padded back (Mochi)",
+            "sdpa",
+            r"test_layout_ops.py::test_per_sample_selection_by_a_mask_after_the_head_split_matches_a_per_head_reference",
+        ),
     ]
 ]
 

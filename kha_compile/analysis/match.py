@@ -407,6 +407,45 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
     return sorted(out + extra, key=lambda a: g.order[a.node]) if extra else out
 
 
+def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
+    """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail."""
+    problems: list[str] = []
+    roles, dims = anchor.roles, anchor.head_dims
+    for role, target in roles.items():
+        # the role's node, and other pieces of the same heads (local + global tokens), each walked back
+        targets = [(target, anchor.head_axes.get(role, -1)), *anchor.extra.get(role, ())]
+        matches: list[RoleMatch] = []
+        whys: list[str] = []
+        for piece, axis in targets:
+            projs, why = g.find_projections(piece)
+            if not projs:
+                whys.append(
+                    f"{role}: no projection found walking back from {piece.name}" + (f" ({why})" if why else "")
+                )
+            for proj in projs:
+                m, w = _role_match(g, role, piece, dims[role], proj, axis)
+                if m is not None:
+                    matches.append(dataclasses.replace(m, joined=True) if len(targets) > 1 else m)
+                else:
+                    whys.append(w)
+        if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
+            matches = []
+        if not matches:
+            problems.append("; ".join(dict.fromkeys(whys)))
+            continue
+        per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
+        chosen, others, join, problem = resolve_role(g, role, target, per_head)
+        if chosen is None:
+            problems.append(problem)
+            continue
+        if len(matches) > len(per_head):
+            chosen = dataclasses.replace(chosen, shared_piece=True)
+        site.roles[role] = chosen
+        if others:
+            site.joint[role], site.join[role] = others, join
+    return problems
+
+
 def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]:
     """Every attention site in the graph, matched or with the reason it was skipped.
 
@@ -415,7 +454,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
     g = MatchGraph(exported, aliases)
     sites = []
     for anchor in _anchors(g):
-        node, rule, roles, dims, reason = anchor.node, anchor.rule, anchor.roles, anchor.head_dims, anchor.reason
+        node, rule, roles, reason = anchor.node, anchor.rule, anchor.roles, anchor.reason
         name = module_path_of(node) or node.name
         key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
         if "@" in key:  # a module called more than once (shared layers): one site per call
@@ -424,39 +463,13 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         if reason:
             sites.append(site)
             continue
-        problems = []
-        for role, target in roles.items():
-            # the role's node, and other pieces of the same heads (local + global tokens), each walked back
-            targets = [(target, anchor.head_axes.get(role, -1)), *anchor.extra.get(role, ())]
-            matches: list[RoleMatch] = []
-            whys: list[str] = []
-            for piece, axis in targets:
-                projs, why = g.find_projections(piece)
-                if not projs:
-                    whys.append(
-                        f"{role}: no projection found walking back from {piece.name}" + (f" ({why})" if why else "")
-                    )
-                for proj in projs:
-                    m, w = _role_match(g, role, piece, dims[role], proj, axis)
-                    if m is not None:
-                        matches.append(dataclasses.replace(m, joined=True) if len(targets) > 1 else m)
-                    else:
-                        whys.append(w)
-            if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
-                matches = []
-            if not matches:
-                problems.append("; ".join(dict.fromkeys(whys)))
-                continue
-            per_head = [m for m in matches if m.head_map.num_heads > 1] or matches
-            chosen, others, join, problem = resolve_role(g, role, target, per_head)
-            if chosen is None:
-                problems.append(problem)
-                continue
-            if len(matches) > len(per_head):
-                chosen = dataclasses.replace(chosen, shared_piece=True)
-            site.roles[role] = chosen
-            if others:
-                site.joint[role], site.join[role] = others, join
+        problems = _match_roles(g, anchor, site)
+        alt = anchor.alternative
+        if problems and alt is not None:  # the op read another way (attention over channels)
+            other = RawSite(name, alt.rule, alt.node, {}, "")
+            if not _match_roles(g, alt, other):
+                site, anchor, roles = other, alt, alt.roles
+                problems = []
         if problems:
             site.reason = "; ".join(problems)
         _split_shared_kv(g, site, anchor)

@@ -327,10 +327,20 @@ def plan_joint(
                 continue  # one projection module called on several token sets: its carrier covers every call
             handler, why = choose_handler(model, _realized(m, rename))
             if handler is None or not handler.module_call or handler.plans_roles:
-                bad.append(
-                    f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
-                    f"a transform with ({why or (handler.name if handler else 'no handler')})"
-                )
+                carrier = why or (f"carried by the {handler.name} handler" if handler else "no handler")
+                if raw.join.get(r) == "heads":  # EfficientViT-MSRA's per-head 1x1 ConvNorms over (B, C, H, W)
+                    paths = ", ".join([own, *(o.projection.module_path for o in matches)])
+                    bad.append(
+                        f"{r}: heads written as separate modules ({paths}) need one transform shared by their "
+                        f"projections, and {path} is not a module KHA can share one with ({carrier}; only "
+                        "projections with features on the last axis can: linear, conv1d)"
+                    )
+                    break
+                else:
+                    bad.append(
+                        f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
+                        f"a transform with ({carrier})"
+                    )
                 continue
             s = _slot(r, m, handler.param_space)
             out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))

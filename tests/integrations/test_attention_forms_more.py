@@ -57,6 +57,38 @@ def test_heads_as_modules_are_one_site_with_one_transform_per_role():
     assert model.blocks[0].qs[3].kha["q"] is model.blocks[0].qs[0].kha["q"]
 
 
+def test_heads_as_modules_with_channels_first_convolutions_are_skipped_naming_the_form():
+    """EfficientViT-MSRA's cascaded heads: one 1x1 conv per head over (B, C, H, W) (features on axis 1),
+    each head's input adding the previous head's output. One transform would have to be shared by
+    convolutions only the functional handler carries: skipped, saying so, and the model untouched."""
+
+    class Cascaded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkvs = torch.nn.ModuleList(torch.nn.Conv2d(D // fm.H, 3 * fm.DH, 1) for _ in range(fm.H))
+
+        def forward(self, x):
+            b, _, h, w = x.shape
+            feat, outs = None, []
+            for i, (chunk, qkv) in enumerate(zip(x.chunk(fm.H, dim=1), self.qkvs)):
+                feat = chunk if i == 0 else feat + chunk
+                q, k, v = qkv(feat).flatten(2).split(fm.DH, dim=1)  # (B, Dh, N)
+                attn = (q.transpose(-2, -1) @ k).softmax(-1)
+                feat = (v @ attn.transpose(-2, -1)).view(b, fm.DH, h, w)
+                outs.append(feat)
+            return torch.cat(outs, 1)
+
+    model, x = Cascaded(), _x(0, (B, D, 4, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NoAttentionFoundError) as info:
+        kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(x,))
+    assert "heads written as separate modules (qkvs.0, qkvs.1, qkvs.2, qkvs.3)" in str(info.value)
+    assert "functional handler" in str(info.value) and "features on the last axis" in str(info.value)
+    assert model.state_dict().keys() == before.keys() and all(
+        torch.equal(before[k], v) for k, v in model.state_dict().items()
+    )
+
+
 def test_a_residual_add_of_two_single_head_attentions_is_not_one_attention():
     """Two single-head blocks in a row: each output is added to the residual stream, not combined."""
 

@@ -40,6 +40,9 @@ class Anchor:
     # role -> other (node, head axis) pieces of the same heads, joined along the key axis (local
     # plus global tokens: scores of several key sets concatenated, probabilities cut again)
     extra: dict[str, tuple[tuple[Node, int], ...]] = dataclasses.field(default_factory=dict)
+    # the same op read another way, tried when this reading leaves a role without its projection:
+    # attention over channels (XCiT's cross-covariance attention: scores of (Dh, Dh) per head)
+    alternative: Anchor | None = None
 
 
 class AttentionRule(Protocol):

@@ -3,6 +3,12 @@
 The value product may also be written channels first, ``v @ softmax(...)^T`` with v as (..., Dh, S)
 (LeViT's and EfficientViT's convolutional attention): v's head vector is then on its axis -2.
 
+Attention over channels (cross-covariance attention: XCiT, EdgeNeXt, DaViT's channel blocks) has the
+same ops with q, k and v as (..., Dh, N): the scores are (Dh, Dh) per head, summed over the tokens.
+The anchor carries that reading as its ``alternative`` (head vectors on axis -2 of q and v, -1 of
+k^T), tried when the usual one leaves a role without its projection. A normal attention cannot
+match it: its axis -2 holds tokens, along which no feature index varies.
+
 Masks, ALiBi biases, scaling and logit soft-capping may sit between the scores and the softmax;
 dropout, casts and head masks between the softmax and the value matmul.
 """
@@ -55,7 +61,17 @@ class ManualSoftmaxRule:
         dims = {"q": (token_shape(q) or (0,))[-1], "k": kt_shape[-2], "v": v_dim}
         roles = {"q": q, "k": kt, "v": v}
         axes = {"k": -2, "v": -2} if channels_first else {"k": -2}
-        return Anchor(value_op, self.name, roles, dims, head_axes=axes)  # type: ignore[arg-type]
+        over_channels = None
+        if not channels_first:  # XCA: q, k, v as (..., Dh, N), scores (..., Dh, Dh) summed over the tokens
+            q_shape, v_shape = token_shape(q) or (0, 0), token_shape(v) or (0, 0)
+            over_channels = Anchor(
+                value_op,
+                self.name,
+                roles,  # type: ignore[arg-type]
+                {"q": q_shape[-2], "k": kt_shape[-1], "v": v_shape[-2]},
+                head_axes={"q": -2, "k": -1, "v": -2},
+            )
+        return Anchor(value_op, self.name, roles, dims, head_axes=axes, alternative=over_channels)  # type: ignore[arg-type]
 
 
 def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
