@@ -50,6 +50,15 @@ def _slot(role: str, m: RoleMatch, param_space: bool) -> HeadSlot:
     return HeadSlot(cast(Role, role), offset, hm.num_heads, hm.head_dim, stride)
 
 
+def _calls(raw: RawSite) -> int:
+    """The attention calls a site stands for: one per head where heads are separate modules."""
+    return max(raw.heads.values(), default=1)
+
+
+def _skipped(raw: RawSite, name: str, reason: str) -> AttentionSite:
+    return AttentionSite(name, "skipped", reason, anchor=raw.anchor, found=sorted(raw.roles), calls=_calls(raw))
+
+
 def build_sites(
     model: nn.Module, raw_sites: list[RawSite], cap: Capture, cfg: KHAConfig | None
 ) -> tuple[list[AttentionSite], list[PlanEntry]]:
@@ -58,19 +67,8 @@ def build_sites(
     plan: dict[str, PlanEntry] = {}
     for raw in raw_sites:
         copies = _copies(raw, cap)
-        calls = max(raw.heads.values(), default=1)  # heads as modules: one call per head
         if raw.reason or set(raw.roles) != {"q", "k", "v"}:
-            for name, _ in copies:
-                sites.append(
-                    AttentionSite(
-                        name,
-                        "skipped",
-                        raw.reason or "incomplete match",
-                        anchor=raw.anchor,
-                        found=sorted(raw.roles),
-                        calls=calls,
-                    )
-                )
+            sites.extend(_skipped(raw, name, raw.reason or "incomplete match") for name, _ in copies)
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
         n_q, n_k = (raw.heads.get(r, raw.roles[r].head_map.num_heads) for r in "qk")
@@ -96,11 +94,7 @@ def build_sites(
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
-                sites.append(
-                    AttentionSite(
-                        name, "skipped", "; ".join(bad), anchor=raw.anchor, found=sorted(raw.roles), calls=calls
-                    )
-                )
+                sites.append(_skipped(raw, name, "; ".join(bad)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
             homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
@@ -108,11 +102,7 @@ def build_sites(
             }
             merged, conflicts = _merge_with_planned(plan, kinds, homes, slots, handlers)
             if conflicts:
-                sites.append(
-                    AttentionSite(
-                        name, "skipped", "; ".join(conflicts), anchor=raw.anchor, found=sorted(raw.roles), calls=calls
-                    )
-                )
+                sites.append(_skipped(raw, name, "; ".join(conflicts)))
                 continue
             paths_own = {r: raw.roles[r].projection.module_path for r in "qkv"}
             others = {
@@ -136,7 +126,7 @@ def build_sites(
                 note=note,
                 joint=others,
                 join=dict(raw.join),
-                calls=calls,
+                calls=_calls(raw),
             )
             current_transforms(model, site, homes)
             notes = [
@@ -335,12 +325,11 @@ def plan_joint(
                         f"projections, and {path} is not a module KHA can share one with ({carrier}; only "
                         "projections with features on the last axis can: linear, conv1d)"
                     )
-                    break
-                else:
-                    bad.append(
-                        f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
-                        f"a transform with ({carrier})"
-                    )
+                    break  # one line for the role, naming every head's projection
+                bad.append(
+                    f"{r}: {path} joins {own} (joint streams) but is not a projection module KHA can share "
+                    f"a transform with ({carrier})"
+                )
                 continue
             s = _slot(r, m, handler.param_space)
             out.setdefault(r, []).append((path, handler, s, int(m.projection.feature_map.numel())))

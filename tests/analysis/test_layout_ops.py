@@ -151,6 +151,13 @@ def product_pair_rope(x: Tensor) -> Tensor:
     return (rot[..., 0] * pairs[..., 0] + rot[..., 1] * pairs[..., 1]).reshape(*x.shape).type_as(x)
 
 
+def rotate(h: Tensor) -> Tensor:
+    """The reference rotation of one head (B, S, Dh): pairs (2i, 2i+1) turned by position."""
+    cos, sin = (a[:, 0] for a in _pair_angles(h.shape[1]))  # (S, Dh/2)
+    a, b = h[..., 0::2], h[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+
 class PairRopeAttention(nn.Module):
     """Heads split, then the pair RoPE above on q and k (the tuple of ``unbind`` comes back whole)."""
 
@@ -169,12 +176,6 @@ class PairRopeNet(TwoBlocks):
     block = PairRopeAttention
 
     def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor) -> Tensor:
-        cos, sin = (a[:, 0] for a in _pair_angles(x.shape[1]))  # (S, Dh/2)
-
-        def rotate(h: Tensor) -> Tensor:  # (B, S, Dh), pairs (2i, 2i+1) turned by position
-            a, b = h[..., 0::2], h[..., 1::2]
-            return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
-
         q, k, v = ([kha_of(self, r, f"{p}.{r}")(t) for t in fz.split_heads(lin(sd, f"{p}.{r}", x))] for r in "qkv")
         return x + lin(sd, f"{p}.o", attend([rotate(t) for t in q], [rotate(t) for t in k], v))
 
@@ -207,12 +208,6 @@ class JointPairRope(nn.Module):
 
 class JointPairRopeNet(TwoBlocks):
     def block_reference(self, sd: dict[str, Tensor], p: str, x: Tensor, ctx: Tensor) -> Tensor:
-        cos, sin = (a[:, 0] for a in _pair_angles(x.shape[1]))  # (S, Dh/2)
-
-        def rotate(h: Tensor) -> Tensor:  # (B, S, Dh), pairs (2i, 2i+1) turned by position
-            a, b = h[..., 0::2], h[..., 1::2]
-            return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
-
         def heads(r: str) -> list[Tensor]:  # one transform per role, shared by both streams
             t = kha_of(self, r, f"{p}.{r}", f"{p}.c{r}")
             own = [t(h) for h in fz.split_heads(lin(sd, f"{p}.{r}", x))]

@@ -51,10 +51,9 @@ class ManualSoftmaxRule:
             q, kt = score.args[1], score.args[2]
         else:
             q, kt = score.args[0], score.args[1]
-        value_op = _value_op(g, node)
+        value_op, channels_first = _value_op(g, node)
         if value_op is None:
             return Anchor(node, self.name, {}, {}, f"softmax {node.name} has scores but no value matmul after it")
-        channels_first = value_op.args[0] not in _probs(g, node)
         v = value_op.args[0] if channels_first else value_op.args[1]
         kt_shape = shape_of(kt) or (0, 0)
         v_dim = (token_shape(v) or (0, 0))[-2 if channels_first else -1]
@@ -107,18 +106,10 @@ def _is_last_two_swap(n: Node) -> bool:
     return False
 
 
-def _probs(g: MatchGraph, softmax: Node) -> set[Node]:
-    """The softmax and what is computed from it on the way to the value product (dropout, casts, masks)."""
-    out, frontier = {softmax}, [softmax]
-    for _ in range(6):
-        frontier = [u for n in frontier for u in n.users if u.op == "call_function" and u not in out]
-        out.update(frontier)
-    return out
-
-
-def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
-    """The probs @ v op after the softmax (through dropout, casts, head masks, and products with a
-    parameter that mix the heads: talking heads), or ``v @ probs^T`` (values channels first)."""
+def _value_op(g: MatchGraph, softmax: Node) -> tuple[Node | None, bool]:
+    """(the probs @ v op after the softmax, False): through dropout, casts, head masks, and products
+    with a parameter that mix the heads (talking heads); or (``v @ probs^T``, True): values channels
+    first. (None, False) when there is none."""
     frontier = [softmax]
     for _ in range(6):
         nxt = []
@@ -130,7 +121,7 @@ def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
                     and user.args[0] is n
                     and not (len(user.args) > 1 and g.is_weight(user.args[1]))
                 ):
-                    return user
+                    return user, False
                 if (
                     user.target in (aten.matmul.default, aten.bmm.default)
                     and len(user.args) > 1
@@ -138,13 +129,13 @@ def _value_op(g: MatchGraph, softmax: Node) -> Node | None:
                     and _is_last_two_swap(n)
                     and not g.is_weight(user.args[0])
                 ):
-                    return user
+                    return user, True
                 if user.op == "call_function" and user.target not in SOFTMAX_OPS:
                     nxt.append(user)
         if not nxt:
-            return None
+            return None, False
         frontier = nxt
-    return None
+    return None, False
 
 
 register_rule(ManualSoftmaxRule())
