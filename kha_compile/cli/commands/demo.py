@@ -93,7 +93,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--docs",
         metavar="DIR",
         default=None,
-        help="also copy the pictures to DIR as demo_<name>.png (the README's pictures: --docs docs)",
+        help="also copy the pictures to DIR as demo_<name>.png (the pictures of docs/demo.md: --docs docs)",
     )
     p.add_argument("--no-export", action="store_true", help="skip the ONNX exports")
     p.add_argument(
