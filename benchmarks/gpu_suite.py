@@ -117,7 +117,7 @@ def _main(a) -> int:
     dims = [int(x) for x in (a.dims or ("16" if smoke else "128,64")).split(",")]
     reps = (1, 1) if smoke else (10, 10)
     for part in parts:
-        cap = SHARES[part] * budget * (1.0 if len(parts) == len(SHARES) else len(SHARES) / len(parts))
+        cap = budget * SHARES[part] / sum(SHARES[p] for p in parts)  # the budget shared by the parts asked for
         with run.part(part, cap) as rec:
             if part == "kernel":
                 run_kernel_part(run, rec, M, dims, a.dtypes.split(","), peaks, repeats=reps[0], inner=reps[1])
