@@ -16,17 +16,31 @@ import torch
 import kha_compile as kc
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds of each call, the functions run in turns (a, b, a, b, ...) so drift hits all alike."""
+def interleaved_times(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 2,
+    inner: int = 1,
+    sync: Callable[[], object] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, the functions run in turns (a, b, a, b, ...) so drift hits all alike.
+
+    Each sample times ``inner`` calls back to back and divides; ``sync`` (e.g. ``torch.cuda.synchronize``)
+    runs before the clock stops, so work a call queued on a GPU counts, and launches overlap as in a model.
+    """
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    sync()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(inner):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / inner)
     return times
 
 
@@ -63,8 +77,53 @@ def with_kha(base: torch.nn.Module, cfg, scale: float, seed: int = 1) -> torch.n
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".kha." in n:
-                p.add_(scale * torch.randn(p.shape, generator=gen))
+                p.add_(scale * torch.randn(p.shape, generator=gen).to(p.device))
     return model
+
+
+def llama_config(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, head_dim: int = 128):
+    """A transformers ``LlamaConfig`` of this shape (GQA: ``kv_heads`` < ``heads``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+    )
+
+
+def llama(cfg, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of ``cfg`` with random weights, made on ``device`` (sdpa attention, train mode)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+
+
+def step_flop_ratios(cfg, variants: dict, batch: int, seq: int) -> dict[str, float]:
+    """FLOPs of one training step (forward + backward) of each variant over the first, counted on the meta device.
+
+    ``variants`` maps a name to a ``KHAConfig`` (None: no KHA); the first is the baseline.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    base = llama(cfg, "meta")
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    mask = torch.zeros(batch, 1, seq, seq, device="meta")  # explicit 4-D mask: no .item() on meta
+    counts = {}
+    for name, kcfg in variants.items():
+        model = base if kcfg is None else kc.apply(copy.deepcopy(base), kcfg)
+        with FlopCounterMode(display=False) as fc:
+            model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+        counts[name] = fc.get_total_flops()
+    first = next(iter(counts.values()))
+    return {k: v / first for k, v in counts.items()}
 
 
 def add_threads_arg(ap) -> None:

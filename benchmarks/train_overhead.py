@@ -24,8 +24,7 @@ import os
 import statistics
 
 import torch
-from _common import add_threads_arg, apply_threads, interleaved_times, write_json
-from torch.utils.flop_counter import FlopCounterMode
+from _common import add_threads_arg, apply_threads, interleaved_times, llama, llama_config, step_flop_ratios, write_json
 
 import kha_compile as kc
 
@@ -41,28 +40,10 @@ VARIANTS = {
 LINEAR_GOAL = 1.01
 
 
-def llama_config(shape: str):
-    from transformers import LlamaConfig
-
-    hidden, inter, layers, hq, hkv, _, _ = SHAPES[shape]
-    return LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=hq,
-        num_key_value_heads=hkv,
-        head_dim=128,
-        vocab_size=8192,
-    )
-
-
 def build(shape: str, device: str = "cpu"):
-    from transformers import LlamaForCausalLM
-
-    cfg = llama_config(shape)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    hidden, inter, layers, hq, hkv, _, _ = SHAPES[shape]
+    cfg = llama_config(hidden, inter, layers, hq, hkv, vocab=8192)
+    model = llama(cfg, device)
     variants = {"baseline": model}
     for name, kcfg in VARIANTS.items():
         m = copy.deepcopy(model)
@@ -85,16 +66,9 @@ def step_fn(model, ids):
 
 def flop_ratios(shape: str) -> dict[str, float]:
     """FLOPs of one training step of each variant over the baseline, counted on the meta device."""
-    _, _, _, _, _, seq, batch = SHAPES[shape]
-    variants, _ = build(shape, device="meta")
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    mask = torch.zeros(batch, 1, seq, seq, device="meta")  # explicit 4-D mask: no .item() on meta
-    counts = {}
-    for name, m in variants.items():
-        with FlopCounterMode(display=False) as fc:
-            m(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
-        counts[name] = fc.get_total_flops()
-    return {k: v / counts["baseline"] for k, v in counts.items()}
+    hidden, inter, layers, hq, hkv, seq, batch = SHAPES[shape]
+    cfg = llama_config(hidden, inter, layers, hq, hkv, vocab=8192)
+    return step_flop_ratios(cfg, {"baseline": None, **VARIANTS}, batch, seq)
 
 
 def run_shape(shape: str, repeats: int) -> dict:

@@ -13,6 +13,23 @@ cannot call ("Cannot call @triton.jit'd outside of the scope of a kernel").
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def _probe(x):
+    return x
+
+
+# Compiled for a GPU (not the interpreter, which cannot run PTX): the gate's sigmoid is four PTX
+# instructions instead of the ~12 that tl.exp and "/" become (their range checks for denormals and
+# huge divisors; both approximations are the same ex2.approx and a reciprocal to 1 ulp).
+_PTX = tl.constexpr(isinstance(_probe, JITFunction))
+# sigmoid(x) = 1 / (1 + 2^(-x log2 e)), flushing denormals (exact at both ends: 0 and 1)
+_SIGMOID_PTX = tl.constexpr(
+    "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+    "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }"
+)
 
 
 @triton.jit
@@ -38,7 +55,12 @@ def _load_tile_t(ptr, offs_r, offs_c, d: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
+    # x is fp32 (a dot's accumulator)
+    if _PTX:
+        s = tl.inline_asm_elementwise(_SIGMOID_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    return s
 
 
 @triton.jit

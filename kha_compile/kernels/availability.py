@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..core.errors import BackendUnavailableError
@@ -20,6 +22,7 @@ __all__ = [
     "MAX_D_FP32",
     "import_triton",
     "interpret_mode",
+    "interpreter_defect",
     "is_triton_build_error",
     "require_backend",
     "triton_available",
@@ -71,7 +74,42 @@ def triton_available() -> bool:
     """
     if import_triton() is None:
         return False
-    return interpret_mode() or torch.cuda.is_available()
+    if interpret_mode():
+        return interpreter_defect() is None
+    return torch.cuda.is_available()
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor, *_ = [*(int(x) for x in re.findall(r"\d+", version)[:2]), 0, 0]
+    return major, minor
+
+
+def interpreter_defect(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter (``TRITON_INTERPRET=1``) cannot run the kernels with these versions, or None.
+
+    Triton before 3.7 reads a loop bound in the interpreter with ``int()`` of a one-element numpy
+    array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"; triton-lang/triton#9171, fixed in 3.7). Every kernel here walks its row tiles in such
+    a loop. The versions default to the installed ones.
+
+    Example::
+
+        interpreter_defect("3.6.0", "2.4.1")     # the reason, naming the fix
+        interpreter_defect("3.9.0", "2.4.1")     # None
+    """
+    if triton_version is None:
+        triton = import_triton()
+        if triton is None:
+            return None
+        triton_version = str(triton.__version__)
+    numpy_version = np.__version__ if numpy_version is None else numpy_version
+    if _major_minor(triton_version) >= (3, 7) or _major_minor(numpy_version) < (2, 4):
+        return None
+    return (
+        f"triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run the kernels' loops under numpy "
+        f"{numpy_version}: numpy >= 2.4 refuses the int() it takes of a loop bound (triton-lang/triton#9171, "
+        "fixed in triton 3.7). Install triton >= 3.7, or numpy < 2.4."
+    )
 
 
 def triton_supports(d: int, dtype: torch.dtype) -> bool:
@@ -105,6 +143,9 @@ def require_backend(device: torch.device) -> None:
     if import_triton() is None:
         raise BackendUnavailableError("Triton is not installed; " + _INSTALL_HINT)
     if interpret_mode():
+        defect = interpreter_defect()
+        if defect is not None:
+            raise BackendUnavailableError(defect)
         return
     if device.type != "cuda":
         raise BackendUnavailableError(f"the tensors are on {device}, and TRITON_INTERPRET is not set; " + _INSTALL_HINT)

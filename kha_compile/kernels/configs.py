@@ -34,8 +34,26 @@ MIN_DOT = 16  # tl.dot on NVIDIA needs K >= 16 for 16-bit operands; keep every b
 # shared memory (163 KiB per block on sm_80, 227 KiB on sm_90). fp32 uses FMA dots under "ieee"
 # precision, whose register tiles only fit at small BLOCK_M.
 CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
-    ("fwd", "16bit"): [(64, None, 4, 3), (128, None, 8, 3), (256, None, 8, 2), (64, None, 4, 4), (128, None, 8, 4)],
-    ("fwd", "16bit-d128"): [(64, None, 4, 2), (64, None, 8, 3), (128, None, 8, 1), (128, None, 8, 2), (64, None, 8, 2)],
+    ("fwd", "16bit"): [
+        (64, None, 4, 3),
+        (128, None, 8, 3),
+        (256, None, 8, 2),
+        (64, None, 4, 4),
+        (128, None, 8, 4),
+        (64, None, 8, 3),
+        (128, None, 8, 2),
+    ],
+    # d = 128: the three weights take 96 KiB of shared memory, so one program per SM; the row tiles
+    # in flight (BLOCK_M x stages) are what hides memory latency (sm_90: 3 x 128 rows fit, 229 KiB).
+    ("fwd", "16bit-d128"): [
+        (64, None, 4, 2),
+        (64, None, 8, 3),
+        (128, None, 8, 1),
+        (128, None, 8, 2),
+        (64, None, 8, 2),
+        (64, None, 8, 4),
+        (128, None, 8, 3),
+    ],
     ("fwd", "fp32"): [(16, None, 8, 1), (16, None, 8, 2), (32, None, 8, 1)],
     ("fused", "16bit"): [
         (32, None, 4, 3),
@@ -57,7 +75,13 @@ CONFIGS: dict[tuple[str, str], list[tuple[int, int | None, int, int]]] = {
 # more in registers than sm_90's wgmma) spills or overflows in these; sm_90 in the ones marked so.
 LEFT_OUT: dict[str, dict[tuple[str, str, int], set[tuple[int, int | None, int, int]]]] = {
     "sm_80": {
-        ("fwd", "16bit-d128", 128): {(64, None, 4, 2), (128, None, 8, 1), (128, None, 8, 2)},
+        ("fwd", "16bit-d128", 128): {
+            (64, None, 4, 2),
+            (128, None, 8, 1),
+            (128, None, 8, 2),
+            (64, None, 8, 4),
+            (128, None, 8, 3),
+        },
         ("fused", "16bit", 64): {
             (32, None, 4, 3),
             (64, None, 8, 2),
@@ -125,9 +149,18 @@ def padded_d(d: int) -> int:
     return max(MIN_DOT, _next_pow2(d))
 
 
-def capability() -> int | None:
-    """Compute capability of the current CUDA device (e.g. 90), None without one."""
-    if not torch.cuda.is_available():
+def capability(device: torch.device | None = None) -> int | None:
+    """Compute capability of the CUDA device the kernels run on (e.g. 90); None where they run on no GPU.
+
+    ``device`` is the tensors' device: a CPU device (the ``TRITON_INTERPRET=1`` interpreter) gives
+    None even on a machine with a GPU, so the interpreter keeps every config; None asks about the
+    current CUDA device.
+
+    Example::
+
+        capability(torch.device("cpu"))     # None: no architecture's configs are left out
+    """
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor

@@ -6,7 +6,9 @@ autocast dtype (bf16 or fp16) and it runs in that dtype (gradients of fp32 maste
 fp32 through the casts). Outside autocast, mixed dtypes are refused, never silently cast.
 On CUDA tensors it runs the fused Triton kernels of :mod:`kha_compile.kernels.mlp_value` (forward,
 and backward through ``kha::mlp_value_backward``) when triton is installed and the shape is one they
-take (d <= 128; fp32, bf16, fp16); otherwise, and on every other device, the composite formula.
+take (d <= 128; fp32, bf16, fp16); otherwise, and on every other device, the composite formula. Where
+the GPU suite measured torch.compile of the formula faster on a GPU (or ``KHA_MLP_VALUE_PATH`` says
+so), it runs that instead (:mod:`kha_compile.ops.mlp_value_path`).
 
 Example::
 
@@ -24,6 +26,7 @@ from torch import Tensor
 from ..core.errors import OpInputError
 from ..kernels import mlp_value as kernels
 from ..kernels.mlp_value import is_triton_build_error
+from .mlp_value_path import compiled_formula, mlp_value_path
 
 __all__ = [
     "autocast_device_types",
@@ -196,7 +199,7 @@ def _use_triton(kind: str, v: Tensor) -> bool:
         (kind, d, v.dtype) not in _TRITON_BROKEN
         and kernels.triton_supports(d, v.dtype)
         and kernels.triton_available()
-        and kernels.launch_supported(kind, d, v.dtype, kernels.capability())
+        and kernels.launch_supported(kind, d, v.dtype, kernels.capability(v.device))
     )
 
 
@@ -225,9 +228,32 @@ def _run_triton(kind: str, v: Tensor, launch):
         return None
 
 
+_COMPILE_BROKEN: set[str] = set()  # directions whose compiled formula failed to build here
+
+
+def _run_compiled(direction: str, fn, *args):
+    """The formula ``fn`` compiled by torch.compile (the path recorded as faster than the kernels); the
+    eager formula if it cannot be compiled here (warned once)."""
+    if direction not in _COMPILE_BROKEN:
+        try:
+            return compiled_formula(fn)(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            _COMPILE_BROKEN.add(direction)
+            logger.warning(
+                "kha::mlp_value: torch.compile of the %s formula failed here (%s: %s); using the eager formula.",
+                direction,
+                type(e).__name__,
+                e,
+            )
+    return fn(*args)
+
+
 def _mlp_value_cuda(v: Tensor, w_up: Tensor, w_gate: Tensor, w_down: Tensor) -> Tensor:
     check_mlp_value_inputs(v, w_up, w_gate, w_down)
-    if _use_triton("forward", v):
+    path = mlp_value_path("forward", v)
+    if path == "compiled":
+        return _run_compiled("forward", mlp_value_reference, v, w_up, w_gate, w_down)
+    if path == "kernel" and _use_triton("forward", v):
         d = v.shape[-1]
         y = _run_triton(
             "forward", v, lambda: kernels.mlp_value_triton_forward(v.reshape(-1, d), w_up, w_gate, w_down)
@@ -245,7 +271,10 @@ def _mlp_value_backward_cuda(
     w_down: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_backward_inputs(grad, v, w_up, w_gate, w_down)
-    if _use_triton("backward", v):
+    path = mlp_value_path("backward", v)
+    if path == "compiled":
+        return _run_compiled("backward", mlp_value_backward_reference, grad, v, w_up, w_gate, w_down)
+    if path == "kernel" and _use_triton("backward", v):
         d = v.shape[-1]
         out = _run_triton(
             "backward",

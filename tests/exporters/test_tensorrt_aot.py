@@ -94,6 +94,10 @@ def test_plugin_kernel_rejects_head_sizes_above_the_kernels():
 @pytest.mark.parametrize("shape", [(1, 16), (3, 5, 32), (2, 4, 9, 64)])
 def test_plugin_kernel_computes_mlp_value_with_that_grid(monkeypatch, shape):
     """The wrapper under the interpreter: TensorRT's argument order and grid give the op's output."""
+    from kha_compile.kernels.availability import interpreter_defect
+
+    if interpreter_defect() is not None:
+        pytest.skip(interpreter_defect())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import kha_compile.kernels.mlp_value as km
     from kha_compile.ops.mlp_value import mlp_value_reference

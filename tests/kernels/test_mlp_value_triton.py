@@ -18,13 +18,17 @@ import kha_compile  # noqa: F401  (registers torch.ops.kha.*)
 import kha_compile.kernels.mlp_value as km
 from kha_compile.core.errors import BackendUnavailableError, KHAError, OpInputError
 from kha_compile.kernels import mlp_value_triton, mlp_value_triton_backward, triton_available
+from kha_compile.kernels.availability import interpreter_defect
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     # Imported before TRITON_INTERPRET=1 is set, as happens in a full test run (torch.compile and
     # others import triton): the kernels must not depend on triton's own @jit helpers then.
     import triton  # noqa: F401
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable (pip install triton)")
+DEFECT = interpreter_defect()  # this triton's interpreter cannot run the kernels (with this numpy)
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or DEFECT is not None, reason=DEFECT or "triton is not importable (pip install triton)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -288,6 +292,30 @@ def test_autotuned_launch_path(monkeypatch, M, d):
     assert len(benched) == sum(len(km.CONFIGS[(k, km.config_class(k, km.padded_d(d), torch.bfloat16))]) for k in kinds)
 
 
+@needs_triton
+def test_interpreter_beside_a_gpu_keeps_every_config(monkeypatch):
+    """CPU tensors under the interpreter on a machine with an sm_90 GPU: the launches still autotune over
+    every config. The GPU's architecture applies to CUDA tensors only (this failed on the lent H200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    benched = []
+
+    def stub_bench(fn, quantiles=None, **kwargs):
+        fn()
+        benched.append(1)
+        return [float(len(benched))] * 3
+
+    tuned = km._build_kernels(True, autotune=True, do_bench=stub_bench)
+    monkeypatch.setattr(km, "_kernels", lambda interpret: tuned)
+    v, ws, grad = _inputs(20, 32, torch.bfloat16)
+    got = km.mlp_value_triton_backward(grad, v, *ws)
+    _, want = _reference(v, ws, grad)
+    assert all(_rel_err(g, w) < TOL[torch.bfloat16] for g, w in zip(got, want))
+    every = km.CONFIGS[("fused", "16bit")]
+    assert km.configs_for("fused", "16bit", 32, 90) != every  # sm_90 itself leaves some out at D = 32
+    assert len(benched) == len(every)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors and availability
 # ---------------------------------------------------------------------------------------------------
@@ -315,6 +343,7 @@ def test_rejects_weight_shape_and_dtype():
         mlp_value_triton_backward(torch.randn(3, 16), v, *[torch.randn(16, 16)] * 3)
 
 
+@needs_triton
 def test_bad_block_sizes_rejected():
     v = torch.randn(4, 16)
     ws = [torch.randn(16, 16)] * 3
