@@ -20,6 +20,7 @@ from .core.report import AttentionSite, Report
 from .core.version import __version__
 from .exporters import export_aoti, export_onnx, export_tensorrt
 from .handlers.adapter import mark_trainable
+from .integrations import hf_quantizer
 from .model.config import KHAConfig
 from .parallel import parallelize
 from .passes.apply import apply, inspect, remove
@@ -27,6 +28,10 @@ from .passes.checkpoint import load_pretrained, save_pretrained
 from .passes.fold import fold
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# transformers' from_pretrained of a KHA directory loads its KHA: registered now, or once transformers'
+# quantizer registry is imported (nothing is imported here)
+hf_quantizer.install()
 
 __all__ = [
     "AttentionSite",

@@ -12,11 +12,14 @@ transforms from it without analysing the model. Example of one entry::
     {"module": "model.layers.0.self_attn.v_proj", "handler": "linear", "out_features": 128,
      "kinds": {"v": "mlp"},
      "slots": [{"role": "v", "offset": 0, "num_heads": 8, "head_dim": 16, "head_stride": 16}]}
+
+It also records the architecture and KHA sites of the model it was saved from (``architecture``,
+``model_type``, ``sites``: :mod:`.identity`), which :func:`read_identity` reads back (from
+``config.json`` for a transformers directory) so that loading refuses a model of another architecture.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pathlib
@@ -28,12 +31,12 @@ from torch import nn
 
 from ..core.errors import CheckpointError, KHAError
 from ..core.kinds import ROLES
-from ..model.carrier import KHAProjection, carrier_state, handler_name, kha_modules, transforms_of
 from ..model.config import CONFIG_VERSION, KHAConfig
 from ..model.slots import HeadSlot
-from ..model.transforms import kind_of
-from .hf import hf_model_dir, is_hf_dir, read_hf
+from .hf import hf_model_dir, is_hf_dir, kha_entry, read_hf
+from .identity import recorded_identity
 from .names import canonical_name, is_kha_key
+from .plan import PlannedProjection, kha_plan
 
 __all__ = [
     "CONFIG_NAME",
@@ -43,6 +46,7 @@ __all__ = [
     "kha_plan",
     "kha_state",
     "read_checkpoint",
+    "read_identity",
     "read_plan",
     "write_checkpoint",
 ]
@@ -56,54 +60,6 @@ CONFIG_NAME = "kha_config.json"
 def kha_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The KHA tensors of ``model`` under canonical names (no PEFT ``base_model.model.`` / ``base_layer``)."""
     return {canonical_name(k): v for k, v in model.state_dict().items() if is_kha_key(k)}
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedProjection:
-    """One KHA carrier as a checkpoint records it: where it sits and what goes after its projection.
-
-    ``slots`` and ``out_features`` are empty / None for carriers whose projections are not a module's
-    own forward (``nn.MultiheadAttention`` in-projections, functional weights).
-    """
-
-    path: str  # module path, canonical (no PEFT wrapping)
-    handler: str | None  # the projection handler that attached it
-    slots: tuple[HeadSlot, ...]
-    kinds: dict[str, str]  # role -> transform kind
-    out_features: int | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "module": self.path,
-            "handler": self.handler,
-            "slots": [s.to_dict() for s in self.slots],
-            "kinds": dict(self.kinds),
-            "out_features": self.out_features,
-        }
-
-
-def _canonical_path(path: str) -> str:
-    return canonical_name(f"{path}.weight")[: -len(".weight")]
-
-
-def kha_plan(model: nn.Module) -> list[dict[str, Any]]:
-    """The insertion plan of ``model`` as it carries KHA now, as JSON-ready dicts (see the module docs).
-
-    Example::
-
-        kha_plan(model)[0]["module"]        # "model.layers.0.self_attn.v_proj"
-    """
-    out = []
-    for path, module in kha_modules(model):
-        kinds = {r: kind_of(t).name for r, t in transforms_of(module).items()}
-        slots: tuple[HeadSlot, ...] = ()
-        out_features: int | None = None
-        if isinstance(module, KHAProjection):
-            _, all_slots, out_features, _ = carrier_state(module)
-            slots = tuple(s for s in all_slots if s.role in kinds)
-        entry = PlannedProjection(_canonical_path(path), handler_name(module), slots, kinds, out_features)
-        out.append(entry.to_dict())
-    return out
 
 
 def _planned(item: Any) -> PlannedProjection:
@@ -204,6 +160,26 @@ def read_checkpoint(directory) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
                 "the checkpoint is incomplete or its files come from different saves."
             )
     return cfg, tensors
+
+
+def read_identity(directory) -> dict[str, Any]:
+    """The architecture and KHA sites a checkpoint records (:mod:`.identity`); empty for older checkpoints.
+
+    ``directory`` as for :func:`read_checkpoint`; call it after that has validated the directory.
+
+    Example::
+
+        read_identity("kha_ckpt")["architecture"]       # "Qwen3ForCausalLM"
+    """
+    directory = pathlib.Path(directory)
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        path = hf_model_dir(directory) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return recorded_identity(data if path.name == CONFIG_NAME else kha_entry(data))
 
 
 def checkpoint_misfit(expected: dict[str, tuple], got: dict[str, tuple]) -> str:

@@ -1,26 +1,32 @@
-"""KHA in transformers' own checkpoints: the ``kha_compile`` entry of the model config, and reading
-the KHA tensors back from the weight files ``save_pretrained`` (and the Trainer) write.
+"""KHA in transformers' own checkpoints: the ``config.json`` entries that record it, and reading the KHA
+tensors back from the weight files ``save_pretrained`` (and the Trainer) write.
 
 ``kc.apply`` records the KHA config as ``model.config.kha_compile`` (``kc.fold`` and ``kc.remove``
-update or drop it), so ``model.save_pretrained(d)`` writes it into ``d/config.json`` next to the
-KHA tensors in ``model.safetensors`` (or its shards). ``kc.load_pretrained(model, d)`` then
-re-applies KHA and loads those tensors. A sentence-transformers directory (``st.save(d)``) holds
-its transformers model in the Transformer module's folder (:func:`hf_model_dir`).
+update or drop it), with the model's architecture and KHA sites (:mod:`.identity`), and sets the
+model's ``quantization_config`` to the same entry under ``"quant_method": "kha_compile"``
+(:func:`quantization_entry`)::
 
-``AutoModel.from_pretrained(d)`` alone builds the model without KHA: it drops the ``.kha.``
-tensors (its load report lists them as unexpected, "can be ignored") and computes something other
-than the trained model. transformers 5.24 reads nothing from a checkpoint that could say more
-(unknown ``config.json`` keys are kept silently; ``auto_map`` needs ``trust_remote_code``), except
-one warning that prints a value from ``config.json``: an unknown ``quantization_config.quant_method``
-("Unknown quantization type, got ...", after which it loads the model as usual, unquantized). So
-:func:`record_config` also sets :data:`LOAD_HINT` as the ``quantization_config`` of a model that has
-none; its ``quant_method`` is a sentence naming kha_compile and ``kc.load_pretrained``. It is
-dropped with the ``kha_compile`` entry, and never replaces a real quantization config. Tools that
-refuse unknown quantization methods (serving engines) then refuse such a directory instead of
-serving it without its transforms; fold first (``kc.fold``) to ship a vanilla model. vLLM with
-kha_compile's plugin installed reads the hint as its quantization method and serves the directory
-with its KHA (:mod:`kha_compile.serving.vllm`). :func:`record_in_dir` writes the same two entries
-into a transformers directory that ``kc.save_pretrained`` saves KHA into.
+    "kha_compile": {"version": 3, "q": "linear", "k": null, "v": "mlp", "strategy": "auto",
+                    "architecture": "LlamaForCausalLM", "model_type": "llama", "sites": {...}},
+    "quantization_config": {"quant_method": "kha_compile", "version": 3, "q": "linear", ...}
+
+``model.save_pretrained(d)`` writes both into ``d/config.json``, next to the KHA tensors in
+``model.safetensors`` (or its shards). Importing kha_compile registers ``"kha_compile"`` as a
+quantization method with transformers (:mod:`kha_compile.integrations.hf_quantizer`), so
+``AutoModelForCausalLM.from_pretrained(d)`` applies KHA before the weights load and loads its
+tensors; ``kc.load_pretrained(model, d)`` does the same for a model built some other way. Without
+kha_compile, transformers warns "Unknown quantization type, got kha_compile" and loads the model
+without its KHA; tools that refuse unknown quantization methods (serving engines, lm-evaluation-harness)
+refuse the directory instead of running it without its transforms. vLLM with kha_compile's plugin
+serves it with its KHA (:mod:`kha_compile.serving.vllm`). A real quantization config is never
+replaced: the ``kha_compile`` entry alone then records the KHA. ``kc.fold`` of a foldable model drops
+both entries, so its save is a vanilla checkpoint.
+
+Directories written before the short name carry a sentence as ``quant_method`` (:data:`LEGACY_HINTS`,
+"kha_compile (not a quantization method): ..."); they still load, by both routes. A
+sentence-transformers directory (``st.save(d)``) holds its transformers model in the Transformer
+module's folder (:func:`hf_model_dir`). :func:`record_in_dir` writes the same entries into a
+transformers directory that ``kc.save_pretrained`` saves KHA into.
 """
 
 from __future__ import annotations
@@ -37,14 +43,20 @@ from ..core.errors import CheckpointError, KHAError
 from ..core.optional import loaded
 from ..model.carrier import kha_modules
 from ..model.config import KHAConfig, config_of
+from .identity import identity_of
 from .names import canonical_name, is_kha_key
 
 __all__ = [
     "CONFIG_KEY",
     "HINT_KEY",
-    "LOAD_HINT",
+    "LEGACY_HINTS",
+    "QUANT_METHOD",
     "hf_model_dir",
     "is_hf_dir",
+    "is_kha_quantization",
+    "kha_entry",
+    "kha_shapes_in",
+    "quantization_entry",
     "read_hf",
     "record_config",
     "record_in_dir",
@@ -55,17 +67,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "kha_compile"
-HINT_KEY = "quantization_config"  # the one config.json entry transformers warns about with its value
-LOAD_HINT = {
-    "quant_method": (
-        "kha_compile (not a quantization method): this checkpoint holds trained KHA (knocking-heads attention) "
-        "transforms that transformers alone does not load, so the loaded model computes something other than "
-        "the trained one. Load them with `import kha_compile as kc; kc.load_pretrained(model, directory)`, "
-        "directory being the one just loaded. To serve it with vLLM, install kha_compile's vLLM plugin next to "
-        "vLLM (pip install 'kha-compile[vllm]'). Do not delete this entry; to ship a vanilla model, "
-        "kc.fold(model) before save_pretrained"
-    ),
-}
+HINT_KEY = "quantization_config"  # the config.json entry transformers (and vLLM) dispatch loading on
+QUANT_METHOD = "kha_compile"  # kha_compile's quantization method in transformers and vLLM
+_OLD_HINT = (
+    "kha_compile (not a quantization method): this checkpoint holds trained KHA (knocking-heads attention) "
+    "transforms that transformers alone does not load, so the loaded model computes something other than "
+    "the trained one. Load them with `import kha_compile as kc; kc.load_pretrained(model, directory)`, "
+    "directory being the one just loaded. "
+)
+_OLD_END = "Do not delete this entry; to ship a vanilla model, kc.fold(model) before save_pretrained"
+# the quant_method sentences earlier versions wrote (they still load: the quantizer is registered under them too)
+LEGACY_HINTS = (
+    _OLD_HINT + _OLD_END,
+    _OLD_HINT + "To serve it with vLLM, install kha_compile's vLLM plugin next to vLLM (pip install "
+    "'kha-compile[vllm]'). " + _OLD_END,
+)
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _ST_MODULES = "modules.json"
 
@@ -78,39 +94,83 @@ def _hf_config(model: nn.Module) -> object | None:
     return cfg if transformers is not None and isinstance(cfg, transformers.PretrainedConfig) else None
 
 
+def quantization_entry(entry: dict) -> dict:
+    """The ``quantization_config`` that records the KHA ``entry``: ``quant_method`` and the entry beside it.
+
+    Example::
+
+        quantization_entry({"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"})
+        # {"quant_method": "kha_compile", "version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
+    """
+    return {"quant_method": QUANT_METHOD, **{k: v for k, v in entry.items() if k != "quant_method"}}
+
+
+def is_kha_quantization(value: object) -> bool:
+    """True for kha_compile's ``quantization_config`` (a dict or transformers' config object; any version).
+
+    Example::
+
+        is_kha_quantization({"quant_method": "kha_compile", "v": "mlp"})        # True
+    """
+    method = value.get("quant_method") if isinstance(value, dict) else getattr(value, "quant_method", None)
+    return str(getattr(method, "value", method) or "").lower().startswith(CONFIG_KEY)
+
+
+def kha_entry(data: object) -> dict | None:
+    """The KHA entry a transformers ``config.json`` (as a dict) records, or None when it records none.
+
+    The ``kha_compile`` entry, else the fields of kha_compile's ``quantization_config`` (when it
+    carries a config ``version``: earlier versions wrote only a sentence there).
+
+    Example::
+
+        kha_entry(json.loads(pathlib.Path("out/config.json").read_text()))["v"]       # "mlp"
+    """
+    if not isinstance(data, dict):
+        return None
+    entry = data.get(CONFIG_KEY)
+    if isinstance(entry, dict):
+        return entry
+    quant = data.get(HINT_KEY)
+    if isinstance(quant, dict) and is_kha_quantization(quant) and "version" in quant:
+        return {k: v for k, v in quant.items() if k != "quant_method"}
+    return None
+
+
 def record_config(model: nn.Module) -> None:
-    """Set ``model.config.kha_compile`` to the model's KHA config, or drop it when no KHA is left.
+    """Record the model's KHA in its transformers config (module docs), or drop the entries when no KHA is left.
 
     Run by ``kc.apply``, ``kc.fold`` and ``kc.remove``.
 
     Example::
 
         record_config(model)
-        model.config.kha_compile        # {"version": 2, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
-        model.config.quantization_config["quant_method"]    # "kha_compile (not a quantization method): ..."
+        model.config.kha_compile        # {"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto", ...}
+        model.config.quantization_config["quant_method"]    # "kha_compile"
     """
     cfg = _hf_config(model)
     if cfg is None:
         return
     hint = getattr(cfg, HINT_KEY, None)
     if kha_modules(model):
-        setattr(cfg, CONFIG_KEY, config_of(model))
-        if hint is None or _is_hint(hint):  # a real quantization config stays as it is
-            setattr(cfg, HINT_KEY, dict(LOAD_HINT))
+        entry = dict(config_of(model), **identity_of(model))
+        setattr(cfg, CONFIG_KEY, entry)
+        if hint is None or is_kha_quantization(hint):  # a real quantization config stays as it is
+            setattr(cfg, HINT_KEY, quantization_entry(entry))
         return
     if hasattr(cfg, CONFIG_KEY):
         delattr(cfg, CONFIG_KEY)
-    if _is_hint(hint):
+    if is_kha_quantization(hint):
         delattr(cfg, HINT_KEY)
 
 
 def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
     """Record KHA in the transformers ``config.json`` of ``directory``, as ``model.save_pretrained`` would.
 
-    Sets its ``kha_compile`` entry to ``entry`` and its ``quantization_config`` to :data:`LOAD_HINT`
-    (a real quantization config stays, with a warning), so loaders that read config.json (transformers'
-    warning, vLLM and its plugin) know that the directory holds KHA. Returns False, changing nothing,
-    when ``directory`` holds no transformers config.json.
+    Sets its ``kha_compile`` entry to ``entry`` and its ``quantization_config`` to
+    :func:`quantization_entry` of it (a real quantization config stays, with a warning), so loaders that
+    read config.json (transformers' ``from_pretrained``, vLLM and its plugin) know that the directory
+    holds KHA. Returns False, changing nothing, when ``directory`` holds no transformers config.json.
 
     Example::
 
@@ -124,11 +184,11 @@ def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
     if not isinstance(data, dict) or "model_type" not in data:
         return False
     hint = data.get(HINT_KEY)
-    if data.get(CONFIG_KEY) == entry and hint == LOAD_HINT:
+    if data.get(CONFIG_KEY) == entry and hint == quantization_entry(entry):
         return True  # written by model.save_pretrained of this model: nothing to add
     data[CONFIG_KEY] = dict(entry)
-    if hint is None or _is_hint(hint):
-        data[HINT_KEY] = dict(LOAD_HINT)
+    if hint is None or is_kha_quantization(hint):
+        data[HINT_KEY] = quantization_entry(entry)
     else:
         log.warning(
             "%s has a quantization config of its own (%s); its KHA is recorded, but loaders that read "
@@ -139,11 +199,6 @@ def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     log.info("recorded KHA in %s", path)
     return True
-
-
-def _is_hint(value: object) -> bool:
-    """True for kha_compile's :data:`LOAD_HINT` (as set, or as read back from a config.json)."""
-    return isinstance(value, dict) and str(value.get("quant_method", "")).startswith(CONFIG_KEY)
 
 
 def hf_model_dir(directory: pathlib.Path) -> pathlib.Path:
@@ -168,7 +223,7 @@ def hf_model_dir(directory: pathlib.Path) -> pathlib.Path:
 
 
 def records_kha(directory: pathlib.Path) -> bool:
-    """True when the transformers config in ``directory`` (see :func:`hf_model_dir`) has a ``kha_compile`` entry.
+    """True when the transformers config in ``directory`` (see :func:`hf_model_dir`) records KHA (:func:`kha_entry`).
 
     Example::
 
@@ -178,7 +233,9 @@ def records_kha(directory: pathlib.Path) -> bool:
         data = json.loads((hf_model_dir(directory) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return isinstance(data, dict) and CONFIG_KEY in data  # a malformed entry: read_hf says what is wrong
+    if isinstance(data, dict) and CONFIG_KEY in data:
+        return True  # a malformed entry: read_hf says what is wrong
+    return kha_entry(data) is not None
 
 
 def stored_kha_keys(directory: pathlib.Path) -> list[str]:
@@ -200,6 +257,29 @@ def stored_kha_keys(directory: pathlib.Path) -> list[str]:
     except Exception:  # an unreadable file holds no KHA we could load; read_hf says why when asked
         return []
     return sorted(k for k in keys if is_kha_key(k))
+
+
+def kha_shapes_in(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """The ``.kha.`` tensors of weight files (safetensors: headers only; ``.bin``: on the meta device), with shapes.
+
+    Example::
+
+        kha_shapes_in(["out/model.safetensors"])    # {"model.layers.0.self_attn.v_proj.kha.v.up": (16, 16), ...}
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(name, framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        if is_kha_key(key):
+                            out[key] = tuple(f.get_slice(key).get_shape())
+            else:
+                state = torch.load(name, map_location="meta", weights_only=True)
+                out.update({k: tuple(v.shape) for k, v in state.items() if is_kha_key(k)})
+        except Exception as exc:  # safetensors and torch raise their own error types for truncated files
+            raise CheckpointError(f"{name!r} cannot be read (truncated, or not a weight file): {exc}") from exc
+    return out
 
 
 def is_hf_dir(directory: pathlib.Path) -> bool:
@@ -225,8 +305,8 @@ def read_hf(directory: pathlib.Path) -> tuple[KHAConfig, dict[str, torch.Tensor]
         data = json.loads((directory / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{str(directory / 'config.json')!r} is not valid JSON: {exc}") from exc
-    entry = data.get(CONFIG_KEY)
-    if not isinstance(entry, dict):
+    entry = kha_entry(data)
+    if entry is None:
         raise CheckpointError(
             f"{str(directory)!r} is a transformers checkpoint without a {CONFIG_KEY!r} entry in config.json, so it "
             "records no KHA; it was saved from a model without KHA (or after kc.fold). Load it with "

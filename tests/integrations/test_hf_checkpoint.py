@@ -1,4 +1,5 @@
-"""transformers checkpoints of KHA models: save_pretrained -> from_pretrained -> kc.load_pretrained, Trainer resume."""
+"""transformers checkpoints of KHA models: save_pretrained -> from_pretrained (KHA loaded by kha_compile's
+quantizer) -> kc.load_pretrained, Trainer resume. Loading by path with every option and tool: test_hf_quantizer.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import kha_compile as kc
 from helpers import kha_params, perturb, run_python_without_kha
 from kha_compile.cli import tiny
-from kha_compile.store.hf import LOAD_HINT
+from kha_compile.store.hf import quantization_entry
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM
@@ -36,8 +37,13 @@ def test_config_records_kha_and_fold_drops_it():
         "k": None,
         "v": "linear",
         "strategy": "auto",
+        "architecture": "LlamaForCausalLM",
+        "model_type": "llama",
+        "sites": {"q:linear 4x16": 2, "v:linear 2x16": 2},  # 4 query heads, 2 key/value heads, of 16
     }
-    assert model.config.quantization_config == LOAD_HINT  # what plain transformers warns with
+    # the quantization method transformers dispatches on (kha_compile's quantizer; a warning without it)
+    assert model.config.quantization_config == quantization_entry(model.config.kha_compile)
+    assert model.config.quantization_config["quant_method"] == "kha_compile"
     assert model._forward_pre_hooks  # the hook that keeps KHA outside PEFT adapters (passes/handlers/adapter.py)
     kc.fold(model)
     assert not hasattr(model.config, "kha_compile") and not model._forward_pre_hooks
@@ -57,7 +63,7 @@ def test_a_real_quantization_config_is_never_replaced_by_the_hint():
     assert model.config.quantization_config is real
 
 
-def test_plain_from_pretrained_warns_with_the_call_to_use_and_still_loads(tmp_path):
+def test_plain_from_pretrained_warns_naming_kha_compile_and_still_loads(tmp_path):
     _trained().save_pretrained(tmp_path / "d")
     base = tiny.make("tiny-llama")  # the same weights without KHA: what a plain load must give
     torch.save({"ids": IDS, "logits": base(input_ids=IDS).logits.detach()}, tmp_path / "want.pt")
@@ -68,7 +74,7 @@ want = torch.load({str(tmp_path / "want.pt")!r})
 with torch.no_grad():
     assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])  # plain loading is unchanged
 assert getattr(model, "hf_quantizer", None) is None
-hint = [m for lvl, m in seen if lvl == "WARNING" and "kha_compile" in m and "kc.load_pretrained(model, directory)" in m]
+hint = [m for lvl, m in seen if lvl == "WARNING" and "Unknown quantization type, got kha_compile" in m]
 print("HINT" if hint else "NO HINT: " + repr(seen))
 """
     out = run_python_without_kha(script, "HINT")
@@ -95,20 +101,15 @@ def test_save_pretrained_from_pretrained_load_pretrained_is_exact(tmp_path, cfg_
     assert json.loads((tmp_path / "config.json").read_text())["kha_compile"]["v"] == cfg.v
     if shard:
         assert (tmp_path / "model.safetensors.index.json").is_file()
-    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
-    assert not kha_params(fresh)  # transformers alone drops the KHA tensors (its unexpected-keys report)
-    kc.load_pretrained(fresh, tmp_path)
+    fresh, info = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", output_loading_info=True)
+    assert not any(info.values()), info  # no unexpected .kha. keys, nothing missing: the quantizer applied KHA
     loaded = kha_params(fresh)
     assert set(loaded) == set(saved)
     for n, t in saved.items():  # each tensor of each role, not just the output
         assert torch.equal(loaded[n], t), f"{n} changed in the round trip"
+    assert torch.equal(fresh.eval()(input_ids=IDS).logits, want)
+    kc.load_pretrained(fresh, tmp_path)  # already carries that KHA: loads the same tensors again
     assert torch.equal(fresh(input_ids=IDS).logits, want)
-
-
-def test_from_pretrained_alone_reports_kha_keys_as_unexpected(tmp_path, caplog):
-    _trained().save_pretrained(tmp_path)
-    _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert info["unexpected_keys"] and all(".kha." in k for k in info["unexpected_keys"])
 
 
 def test_hf_dir_without_kha_entry_is_refused(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 import kha_compile as kc
 from kha_compile.cli import tiny
-from kha_compile.store.hf import LOAD_HINT, record_in_dir
+from kha_compile.store.hf import quantization_entry, record_in_dir
 
 pytest.importorskip("transformers")
 
@@ -27,7 +27,8 @@ def test_save_pretrained_into_the_models_directory_records_kha_as_model_save_pre
     kc.apply(model, kc.KHAConfig(v="mlp"))
     kc.save_pretrained(model, d)
     data = json.loads((d / "config.json").read_text())
-    assert data["kha_compile"] == model.config.kha_compile and data["quantization_config"] == LOAD_HINT
+    assert data["kha_compile"] == model.config.kha_compile
+    assert data["quantization_config"] == quantization_entry(model.config.kha_compile)
     model.save_pretrained(tmp_path / "hf")  # what transformers itself writes for the KHA model
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf["kha_compile"], hf["quantization_config"]) == (data["kha_compile"], data["quantization_config"])

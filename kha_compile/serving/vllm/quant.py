@@ -1,14 +1,15 @@
 """kha_compile as a vLLM quantization method: how a KHA directory gets its transforms in vLLM (needs vLLM).
 
-``model.save_pretrained`` of a KHA model writes kha_compile's hint as ``quantization_config`` into
-``config.json``. vLLM asks every registered quantization method whether it claims that entry
+``model.save_pretrained`` of a KHA model records its KHA as ``quantization_config`` in ``config.json``
+(``"quant_method": "kha_compile"`` and the KHA entry beside it; earlier versions wrote a sentence
+there, which is claimed the same way). vLLM asks every registered quantization method whether it claims that entry
 (:meth:`KHAQuantConfig.override_quantization_method`); this one does, so vLLM builds its own model
 class with :class:`KHAQuantConfig` as its quantization config: :meth:`~KHAQuantConfig.maybe_update_config`
 reads and checks the directory's KHA (:func:`.served.read_served`, :func:`.served.check_servable`)
 before any layer exists, and :meth:`~KHAQuantConfig.get_quant_method` gives each fused QKV projection
 of an attention with KHA a :class:`.method.KHAQKVMethod`, every other linear layer vLLM's own method.
-``LLM(model=dir, quantization="kha_compile")`` also works on a directory whose config.json has no hint
-(vLLM then reads ``kha_config.json``).
+``LLM(model=dir, quantization="kha_compile")`` also works on a directory whose config.json names no
+quantization method (vLLM then reads ``kha_config.json``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vllm.platforms import current_platform
 
 from ...core.errors import ServingError
 from ...store.format import CONFIG_NAME
-from ...store.hf import CONFIG_KEY
+from ...store.hf import is_kha_quantization
 from .method import CheckedLinearMethod, KHAQKVMethod
 from .served import CPU_HEAD_SIZES, ServedModel, check_servable, read_served
 
@@ -39,8 +40,9 @@ NAME = "kha_compile"  # the quantization method's name in vLLM
 
 
 def is_kha_hint(quant_cfg: object) -> bool:
-    """True for kha_compile's ``quantization_config`` hint (vLLM lower-cases ``quant_method``)."""
-    return isinstance(quant_cfg, dict) and str(quant_cfg.get("quant_method", "")).lower().startswith(CONFIG_KEY)
+    """True for kha_compile's ``quantization_config``: ``"quant_method": "kha_compile"`` with the KHA entry
+    beside it, or the sentence earlier versions wrote there (vLLM lower-cases ``quant_method``)."""
+    return isinstance(quant_cfg, dict) and is_kha_quantization(quant_cfg)
 
 
 def _head_sizes() -> tuple[int, ...] | None:
@@ -60,7 +62,7 @@ class KHAQuantConfig(QuantizationConfig):
 
     Example::
 
-        LLM(model="out")                                  # config.json carries kha_compile's hint
+        LLM(model="out")                                  # config.json names quant_method "kha_compile"
         LLM(model="out", quantization="kha_compile")      # or say it; vLLM then reads kha_config.json
     """
 

@@ -29,7 +29,7 @@ from ...core.kinds import ROLES
 from ...model.config import KHAConfig
 from ...model.transforms import get_transform
 from ...store.format import CONFIG_NAME, read_checkpoint
-from ...store.hf import CONFIG_KEY, HINT_KEY, stored_kha_keys
+from ...store.hf import CONFIG_KEY, HINT_KEY, is_kha_quantization, kha_entry, stored_kha_keys
 
 __all__ = [
     "CPU_HEAD_SIZES",
@@ -130,9 +130,8 @@ def read_served(directory) -> ServedModel:
     archs = cfg.get("architectures") or []
     arch = str(archs[0]) if archs else None
     head_dim = _head_dim(cfg)
-    hint = cfg.get(HINT_KEY)
-    hinted = isinstance(hint, dict) and str(hint.get("quant_method", "")).lower().startswith(CONFIG_KEY)
-    recorded = CONFIG_KEY in cfg or (directory / CONFIG_NAME).is_file()
+    hinted = is_kha_quantization(cfg.get(HINT_KEY))  # "kha_compile", or the sentence of earlier versions
+    recorded = CONFIG_KEY in cfg or kha_entry(cfg) is not None or (directory / CONFIG_NAME).is_file()
     if not recorded:
         keys = stored_kha_keys(directory)
         if keys or hinted:

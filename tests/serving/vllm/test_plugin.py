@@ -29,6 +29,7 @@ from serve_greedy import NEW_TOKENS
 from serve_models import BLOCK, PROMPTS, Case, build, greedy, mismatch, write_config_entry
 
 import kha_compile as kc
+from kha_compile.store.hf import LEGACY_HINTS
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +130,13 @@ def _config_says_linear(directory: pathlib.Path) -> None:
     write_config_entry(directory, kha_compile=dict(entry, v="linear"))
 
 
+def _old_hint(directory: pathlib.Path) -> None:
+    """config.json as kha_compile wrote it before the short quant_method: a sentence there, the entry beside."""
+    entry = json.loads((directory / "config.json").read_text())["kha_compile"]
+    old = {k: entry[k] for k in ("version", "q", "k", "v", "strategy")}
+    write_config_entry(directory, kha_compile=old, quantization_config={"quant_method": LEGACY_HINTS[1]})
+
+
 def _two_kha_values(directory: pathlib.Path) -> None:
     """kha_model.safetensors (what kha_compile reads) no longer equal to the KHA in model.safetensors (what vLLM feeds)."""
     path = directory / "kha_model.safetensors"
@@ -147,6 +155,8 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
         *(_generate(models, n) for n in CASES if n not in ("qwen3-mix-kv1", "olmo2-mix", "llama-hd16")),
         _generate(models, "llama-kcsave", job="nohint-explicit", llm={"quantization": "kha_compile"})
         | {"model": str(nohint)},
+        _generate(models, "llama-mlp", job="old-hint")
+        | {"model": str(models.derived("llama-old", "llama-mlp", _old_hint))},
         _generate(models, "llama-mlp", job="broken-v-mlp", **{"break": "v"}),  # MLP-value, run on the output
         _generate(models, "qwen3-mix", job="broken-k-linear", **{"break": "k"}),  # linear, folded at load
         _refuse("olmo2", models.dir("olmo2-mix")),
@@ -166,6 +176,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
     for name in ("llama-mlp", "llama-linear", "mistral-mix", "qwen2-mix", "qwen3-mix", "qwen3moe-mix", "llama-kcsave"):
         _same_as_transformers(models, results, name)
     _same_as_transformers(models, results, "llama-kcsave", job="nohint-explicit")
+    _same_as_transformers(models, results, "llama-mlp", job="old-hint")  # written by an earlier kha_compile
     _same_as_transformers(models, results, "llama-folded", plugin=False)  # vanilla: vLLM alone
 
     for job, name in (("broken-v-mlp", "llama-mlp"), ("broken-k-linear", "qwen3-mix")):
@@ -178,9 +189,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
         assert res["transformers"] < "5.20", res["transformers"]
         assert [r["tokens"] for r in res["runs"]] == [r["tokens"] for r in models.refs[name]], name
 
-    _refused(
-        results, "no-plugin", ("ValueError", "ValidationError"), "Unknown quantization method", "kha-compile[vllm]"
-    )
+    _refused(results, "no-plugin", ("ValueError", "ValidationError"), "Unknown quantization method: kha_compile")
     msg = _refused(results, "olmo2", "ServingError", "Olmo2ForCausalLM", "cannot serve")
     assert all(a in msg for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM")), msg
     _refused(results, "head-dim-16", "ServingError", "head size 16", "32, 64")

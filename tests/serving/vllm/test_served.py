@@ -16,7 +16,7 @@ from serve_models import Case, build, write_config_entry
 import kha_compile as kc
 from kha_compile.core.errors import CheckpointError, ServingError
 from kha_compile.serving.vllm import CPU_HEAD_SIZES, SUPPORTED_ARCHITECTURES, check_servable, read_served
-from kha_compile.store.hf import LOAD_HINT
+from kha_compile.store.hf import LEGACY_HINTS, quantization_entry
 
 pytest.importorskip("transformers")
 
@@ -64,7 +64,7 @@ def test_a_save_pretrained_directory_is_read_with_its_trained_kha(saved):
 def test_kc_save_pretrained_into_the_models_directory_records_kha_in_its_config(saved):
     directory, model = saved["kcsave"]  # base files written before kc.apply, then kc.save_pretrained
     data = json.loads((directory / "config.json").read_text())
-    assert data["kha_compile"]["v"] == "mlp" and data["quantization_config"] == LOAD_HINT
+    assert data["kha_compile"]["v"] == "mlp" and data["quantization_config"] == quantization_entry(data["kha_compile"])
     assert not any(".kha." in k for k in load_file(str(directory / "model.safetensors")))  # base weights only
     served = read_served(directory)
     params = _kha_params(model)
@@ -79,9 +79,19 @@ def test_a_folded_directory_has_no_kha_and_needs_no_plugin(saved):
     check_servable(served)  # nothing to refuse: vLLM serves it as it is
 
 
-def test_the_hint_says_how_to_serve_in_vllm():
-    assert "kha-compile[vllm]" in LOAD_HINT["quant_method"]  # what vLLM without the plugin prints
-    assert LOAD_HINT["quant_method"].startswith("kha_compile")
+def test_the_quantization_method_names_kha_compile(saved):
+    data = json.loads((saved["mix"][0] / "config.json").read_text())
+    assert data["quantization_config"]["quant_method"] == "kha_compile"  # what vLLM without the plugin names
+    assert {k: data["quantization_config"][k] for k in "qkv"} == {"q": "linear", "k": "linear", "v": "mlp"}
+
+
+@pytest.mark.parametrize("entry", ["kha_compile", "quantization_config"])
+def test_either_entry_alone_records_the_kha(saved, tmp_path, entry):
+    d = _copy(saved, "mix", tmp_path)
+    (d / "kha_config.json").unlink()
+    write_config_entry(d, **{entry: None})  # the other one is left
+    served = read_served(d)
+    assert served.config == MIX and len(served.attentions) == 2
 
 
 def test_refused_without_a_config_json(tmp_path):
@@ -92,15 +102,18 @@ def test_refused_without_a_config_json(tmp_path):
 def test_kha_tensors_without_a_config_saying_how_to_run_them(saved, tmp_path):
     d = _copy(saved, "mix", tmp_path)
     (d / "kha_config.json").unlink()
-    write_config_entry(d, kha_compile=None)
+    write_config_entry(d, kha_compile=None, quantization_config={"quant_method": LEGACY_HINTS[1]})
     with pytest.raises(CheckpointError, match=r"holds \d+ KHA tensors .* neither a 'kha_compile' entry"):
         read_served(d)
 
 
 def test_the_hint_without_kha(saved, tmp_path):
     d = _copy(saved, "folded", tmp_path)
-    write_config_entry(d, quantization_config=LOAD_HINT)
+    write_config_entry(d, quantization_config={"quant_method": LEGACY_HINTS[1]})  # an earlier version's sentence
     with pytest.raises(CheckpointError, match="quantization_config hint"):
+        read_served(d)
+    write_config_entry(d, quantization_config=quantization_entry(MIX.to_dict()))  # the entry, but no tensors
+    with pytest.raises(CheckpointError, match=r"hold no '\.kha\.' tensors"):
         read_served(d)
 
 
