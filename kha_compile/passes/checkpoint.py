@@ -11,6 +11,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError, NoKHATransformsError
 from ..model.config import config_of
+from ..model.wrappers import sees_through_wrappers
 from ..store.distributed import gather_for_save, rank0_wrote, telling_other_ranks
 from ..store.format import checkpoint_misfit, kha_plan, kha_state, read_checkpoint, write_checkpoint
 from ..store.hf import CONFIG_KEY, record_in_dir
@@ -22,6 +23,7 @@ __all__ = ["load_pretrained", "save_pretrained"]
 log = logging.getLogger(__name__)
 
 
+@sees_through_wrappers
 def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     """Save only the KHA weights (safetensors) and config (JSON with a version) to ``directory``.
 
