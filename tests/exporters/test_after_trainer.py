@@ -66,13 +66,15 @@ def _snapshot(model):
         {k: v.detach().clone() for k, v in model.state_dict().items()},
         {n: type(m) for n, m in model.named_modules()},
         model.__dict__.get("forward"),
+        model.config.to_dict(),
+        model.training,
     )
 
 
 def _left_as_it_was(model, before):
-    state, classes, wrapper = _snapshot(model)
+    state, classes, wrapper, config, training = _snapshot(model)
     assert state.keys() == before[0].keys() and all(torch.equal(state[k], before[0][k]) for k in state)
-    assert classes == before[1]
+    assert classes == before[1] and config == before[3] and training == before[4]
     assert wrapper is before[2] and forward_wrapper(model) is not None  # accelerate's wrapper is back
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # and it still trains KHA
     kha = {n: p.detach().clone() for n, p in kha_params(model).items()}
