@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
+from ..core.devices import callers_device
 from ..core.errors import AnalysisError, KHAError, TraceError
 from .graph import module_path_of
 from .heads import is_single_head
@@ -111,7 +112,7 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple
     fastpath = torch.backends.mha.get_fastpath_enabled()
     try:
         torch.backends.mha.set_fastpath_enabled(False)  # MHA's own calls run, so they are recorded
-        with torch.no_grad(), no_cache(model):  # no cache object that the layers fill as they run
+        with torch.no_grad(), no_cache(model), callers_device():  # no cache object the layers fill as they run
             model(*args, **kwargs)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.devices import callers_device
 from ..core.errors import TraceError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "called_modules",
     "capture",
     "index_attrs",
+    "leaves_no_trace",
     "module_aliases",
     "no_cache",
     "unrun_modules",
@@ -167,14 +169,54 @@ def _representatives(model: nn.Module, enabled: bool) -> Iterator[dict[str, list
             parent._modules[attr] = module
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs")  # fmt: skip
+
+
+@contextlib.contextmanager
+def leaves_no_trace(model: nn.Module) -> Iterator[None]:
+    """Take out the forward hooks and instance attributes that the model's own code adds while it is traced.
+
+    transformers installs its output-capturing hooks lazily, on the first forward that asks for
+    attentions or hidden states (``config.output_attentions``), and marks the model as hooked; run
+    on the cut-down list of one block per type, that would hook the representatives only, and the
+    model would return one entry per *traced* layer ever after.
+
+    Example::
+
+        with leaves_no_trace(model):
+            torch.export.export(model, (), kwargs, strict=False)
+    """
+    modules = list(model.modules())
+    before = [({d: set(getattr(m, d, {})) for d in _HOOK_DICTS}, set(m.__dict__)) for m in modules]
+    try:
+        yield
+    finally:
+        for m, (hooks, attrs) in zip(modules, before):
+            for d, keys in hooks.items():
+                table: dict = getattr(m, d, None) or {}
+                for k in [k for k in table if k not in keys]:
+                    del table[k]
+            for a in [a for a in m.__dict__ if a not in attrs]:
+                del m.__dict__[a]
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool = True) -> Capture:
     """Export ``model`` on fake tensors (no real compute) with one representative per block type.
+
+    The model is left as it was: hooks and attributes its code adds during the trace are taken out
+    again (:func:`leaves_no_trace`).
 
     Example::
 
         cap = capture(model, (), {"input_ids": ids, "use_cache": False})
         cap.graph  # torch.fx.Graph of aten ops
     """
+    with leaves_no_trace(model):
+        return _capture(model, args, kwargs, dedupe_blocks)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, dedupe_blocks: bool) -> Capture:
     start = time.perf_counter()
     was_training = model.training
     try:
@@ -406,7 +448,8 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
-        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+        with callers_device():  # the model's own code sees the caller's default device (a meta block)
+            return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
     except Exception as exc:  # torch.export raises many types; keep its reason
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"

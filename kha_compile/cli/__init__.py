@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import KHAError
+from .advice import for_command
 from .commands.bench import list_benchmarks
 from .models import load_model
 from .parser import build_parser, parse
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return int(args.func(args, ui) or 0)
         except KHAError as e:
-            ui.error(e)
+            ui.error(e, for_command(e, getattr(args, "command", None)))  # the flag to use, not the Python argument
             return 2
         except KeyboardInterrupt:
             ui.err.print("[red]interrupted[/]")

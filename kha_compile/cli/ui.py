@@ -40,13 +40,13 @@ class UI:
             yield
         self.steps.print(f"[green]✓[/] {message} [dim]({time.perf_counter() - t0:.1f}s)[/]")
 
-    def error(self, exc: BaseException) -> None:
-        """One red line (and the traceback with -v)."""
+    def error(self, exc: BaseException, message: str | None = None) -> None:
+        """One red line, ``message`` or the exception's own (and the traceback with -v)."""
         from rich.markup import escape
 
         if self.verbose:
             self.err.print_exception(show_locals=False)
-        self.err.print(f"[bold red]error:[/] [red]{escape(str(exc))}[/]")
+        self.err.print(f"[bold red]error:[/] [red]{escape(str(exc) if message is None else message)}[/]")
 
 
 _QUIET: dict[str, Any] = {"verbose": 0, "restore": None}

@@ -56,6 +56,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
+from ..model.wrappers import sees_through_wrappers
 from ..passes.fold import fold as fold_pass
 from .aoti_generation import export_generation
 from .aoti_steps import AOTI_TOL, KHA_DECOMPOSITIONS, compile_package, eval_mode, input_ranges, kha_ops, lower_kha_ops
@@ -194,6 +195,7 @@ def _dynamic_shapes(names: list[str], tensors: list[torch.Tensor], max_batch: in
     return (tuple(specs),)  # one entry: the *tensors parameter
 
 
+@sees_through_wrappers
 def export_aoti(
     model: nn.Module,
     path: str | os.PathLike,

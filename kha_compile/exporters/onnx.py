@@ -23,6 +23,7 @@ from torch import nn
 
 from ..analysis.inputs import example_inputs
 from ..core.errors import ExportError
+from ..model.wrappers import sees_through_wrappers
 from ..ops.mlp_value_onnx import (
     MLP_VALUE_DOMAIN,
     MLP_VALUE_DOMAIN_VERSION,
@@ -179,6 +180,7 @@ def _tensor_info(value_info: Any, onnx: Any) -> TensorInfo:
 # --------------------------------------------------------------------------------------------
 
 
+@sees_through_wrappers
 def export_onnx(
     model: nn.Module,
     path: str | os.PathLike,

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.errors import FoldError, TracedPathError
+from ..core.errors import FoldError, TensorParallelError, TracedPathError
 from ..core.mixins import mixin_class, module_class_named
 from ..core.optional import is_dtensor
 from .rows import base_class, fold_rows, projection_output, weight_out_axis
-from .sharded import adopt_tensor_parallel
+from .sharded import UNADOPTED_TP, adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
 from .strategy import as_parameters, check_strategy, swapped_params, use_weight_side
 from .transforms import get_transform, kind_of
@@ -157,6 +157,7 @@ class KHAProjection(nn.Module):
         x = args[0] if args else next(iter(kwargs.values()), None)
         if (
             self._kha_weight_axis is None
+            or self.__dict__.get("_is_hooked")  # sharded by transformers: its weight may be this rank's rows only
             or not isinstance(w, Tensor)
             or w.dim() != 2
             or not isinstance(x, Tensor)
@@ -223,6 +224,10 @@ class KHAProjection(nn.Module):
         """Apply each role's transform (except those in ``skip``) to its head slices of ``y`` (..., out)."""
         if is_dtensor(y) and adopt_tensor_parallel(self):  # torch's parallelize_module sharded this projection
             return self.kha_transform(y, skip)  # now a TensorParallelKHA: this rank's heads
+        if self.__dict__.get("_is_hooked") and y.shape[-1] != self._kha_out_features:  # transformers' local TP path
+            raise TensorParallelError(
+                UNADOPTED_TP.format(name=type(self).__name__, got=y.shape[-1], want=self._kha_out_features)
+            )
         slots, mode, stride = self._kha_layout(skip)
         return transform_slices(y, slots, mode, stride, dict(self.kha.items()))
 

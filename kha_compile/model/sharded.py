@@ -33,7 +33,9 @@ from .slots import HeadSlot, layout_plan, transform_slices
 from .transforms import kind_of
 
 __all__ = [
+    "UNADOPTED_TP",
     "TensorParallelKHA",
+    "adopt_sharded_projections",
     "adopt_tensor_parallel",
     "is_dtensor",
     "is_sharded",
@@ -116,6 +118,13 @@ def refuse_sharded(model: nn.Module, verb: str) -> None:
             "kc.parallelize(model, mesh, plan) for tensor parallel and/or fully_shard(...) for FSDP2. "
             "The model was not touched and still trains as it is."
         )
+        if model.__dict__.get("_is_distributed_loading_by_transformers"):  # from_pretrained(distributed_config=...)
+            todo = (
+                f"transformers sharded it while loading (distributed_config), before kc.{verb}. Load it without "
+                "distributed_config, call kc.apply(model, cfg) (or kc.load_pretrained), then shard it: "
+                "torch.distributed.fsdp.fully_shard on each decoder layer and on the model for FSDP2, "
+                "kc.parallelize(model, mesh, 'auto') for tensor parallel. The model was not touched."
+            )
     raise ShardedModelError(f"{type(model).__name__} is already sharded ({', '.join(parts)}). {todo}")
 
 
@@ -152,17 +161,16 @@ class TensorParallelKHA:
         return ()  # sharded weights: the transforms run on each rank's local heads (token-side)
 
     def kha_transform(self, y: Tensor, skip: Sequence[str] = ()) -> Tensor:
-        """Apply the transforms to this rank's heads of ``y`` (a DTensor sharded on its last axis)."""
+        """Apply the transforms to this rank's heads of ``y``: a DTensor sharded on its last axis, or the
+        local shard itself (transformers' tensor-parallel inference path runs the projection on local tensors)."""
         from torch.distributed.tensor import DTensor
 
-        if not isinstance(y, DTensor):  # pragma: no cover - ColwiseParallel always gives a DTensor here
-            raise TensorParallelError(
-                "a tensor-parallel KHA projection expected a DTensor output; shard it with ColwiseParallel."
-            )
-        local = y.to_local()
         slots, mode, stride = self._kha_tp_layout
         slots = tuple(s for s in slots if s.role not in skip)
-        out = transform_slices(local, slots, mode, stride, {s.role: self._local_fn(s.role) for s in slots})
+        fns: dict[str, Callable[[Tensor], Tensor]] = {s.role: self._local_fn(s.role) for s in slots}
+        if not isinstance(y, DTensor):
+            return transform_slices(y, slots, mode, stride, fns)  # (..., local features): this rank's heads
+        out = transform_slices(y.to_local(), slots, mode, stride, fns)
         return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False, shape=y.shape, stride=y.stride())
 
     def _local_fn(self, role: str) -> Callable[[Tensor], Tensor]:
@@ -237,6 +245,36 @@ def adopt_tensor_parallel(module: nn.Module) -> bool:
     shard_carrier(module, layout, module._parameters["weight"].device_mesh.get_group())  # type: ignore[union-attr]
     log.debug("%s: tensor parallel on %s", type(module).__name__, layout[0])
     return True
+
+
+def adopt_sharded_projections(model: nn.Module) -> list[str]:
+    """Give every KHA projection of ``model`` whose weight is sharded column-wise its local heads now.
+
+    For KHA applied before the model was sharded by code that does not know KHA (transformers'
+    ``from_pretrained(..., tp_plan=...)`` / ``distributed_config`` after a quantizer's or a subclass's
+    ``kc.apply``): a projection adopts its local heads on its first forward with grad enabled, but
+    transformers' inference path (``no_grad``) runs on local tensors, where the sharding cannot be read.
+    Returns the paths adopted; no communication.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(d, tp_plan="auto")   # KHA applied before loading
+        adopt_sharded_projections(model)                                   # ['model.layers.0.self_attn.q_proj', ...]
+    """
+    done = []
+    for name, m in model.named_modules():
+        if "_kha_slots" in m.__dict__ and is_dtensor(m._parameters.get("weight")) and adopt_tensor_parallel(m):
+            done.append(name)
+    return done
+
+
+UNADOPTED_TP = (
+    "{name} carries KHA and was then sharded by transformers' tensor parallel (its forward runs on this rank's "
+    "{got} of {want} output features), before kha_compile could read which heads this rank holds. Call "
+    "kha_compile.parallel.adopt_sharded_projections(model) once after loading (no communication), or run one "
+    "forward with grad enabled first; or load without tp_plan, kc.apply(model, cfg), then "
+    "kc.parallelize(model, mesh, 'auto')."
+)
 
 
 def shard_carrier(module: nn.Module, layout: tuple[tuple[HeadSlot, ...], str, int], group: Any) -> None:

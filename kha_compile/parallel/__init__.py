@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import sys
 
-from ..model.sharded import is_sharded, refuse_sharded
+from ..model.sharded import adopt_sharded_projections, is_sharded, refuse_sharded
 from .sharding import register_mlp_value_sharding
 from .tensor_parallel import parallelize
 
-__all__ = ["is_sharded", "parallelize", "refuse_sharded", "register_mlp_value_sharding"]
+__all__ = ["adopt_sharded_projections", "is_sharded", "parallelize", "refuse_sharded", "register_mlp_value_sharding"]
 
 if "torch.distributed.tensor" in sys.modules:  # importing it costs about a second: only if already in use
     register_mlp_value_sharding()

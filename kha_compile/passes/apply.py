@@ -12,6 +12,7 @@ from torch import nn
 
 from ..analysis.inputs import example_inputs as _example_inputs
 from ..analysis.submodules import trace_and_match
+from ..core.devices import own_tensors_on_cpu
 from ..core.errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
 from ..core.report import Report
 from ..handlers import adapter as _adapter
@@ -23,6 +24,7 @@ from ..model.carrier import kha_modules
 from ..model.config import KHAConfig
 from ..model.parametrized import raw_parameters
 from ..model.sharded import refuse_sharded
+from ..model.wrappers import plain_forward
 from ..store.hf import record_config
 
 __all__ = ["analyse", "apply", "inspect", "recorded_report", "remove"]
@@ -51,7 +53,8 @@ def analyse(model: nn.Module, cfg: KHAConfig | None, example_args: Any, example_
     """(report, insertion plan) of ``model`` (a ``PeftModel`` is analysed as the model inside it)."""
     model = unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
-    with raw_parameters(), _adapter.adapters_off(model):  # parametrized weights read as stored; adapters off
+    # parametrized weights read as stored; adapters off; the model's own forward, not accelerate's autocast wrapper
+    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
         # the whole model, or submodule by submodule where torch.export cannot trace it whole
         cap, raw = _step("trace", model, trace_and_match, model, args, kwargs)
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
@@ -122,15 +125,16 @@ def apply(
             "or start from a fresh model."
         )
     inner = unwrap_model(model)  # a PeftModel: the model inside carries the transforms and the config
-    report, plan = analyse(inner, cfg, example_args, example_kwargs)
-    if not report.matched:
-        message = _nothing_found(model, report)
-        if strict:
-            raise NoAttentionFoundError(message + "\nPass strict=False to return the model unchanged instead.")
-        warnings.warn(message, stacklevel=2)
-        log.warning(message)
-        return model
-    count = insert(inner, plan)
+    with own_tensors_on_cpu():  # inside `with torch.device("meta"):` too; the model's code runs as it would
+        report, plan = analyse(inner, cfg, example_args, example_kwargs)
+        if not report.matched:
+            message = _nothing_found(model, report)
+            if strict:
+                raise NoAttentionFoundError(message + "\nPass strict=False to return the model unchanged instead.")
+            warnings.warn(message, stacklevel=2)
+            log.warning(message)
+            return model
+        count = insert(inner, plan)
     _adapter.watch(inner)
     record_config(inner)
     _REPORTS[inner] = report
@@ -157,7 +161,8 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: dict | Non
         report.sites[0].transforms        # {"v": "mlp"} after apply
     """
     refuse_sharded(model, "inspect")
-    report, _ = analyse(model, None, example_args, example_kwargs)
+    with own_tensors_on_cpu():
+        report, _ = analyse(model, None, example_args, example_kwargs)
     return report
 
 

@@ -19,6 +19,7 @@ from ..core.errors import CheckpointError, NoKHATransformsError
 from ..core.kinds import ROLES
 from ..model.carrier import kha_modules
 from ..model.config import KHAConfig, config_of
+from ..model.wrappers import sees_through_wrappers
 from ..store.distributed import gather_for_save, rank0_wrote, telling_other_ranks
 from ..store.format import checkpoint_misfit, kha_plan, kha_state, read_checkpoint, read_identity, write_checkpoint
 from ..store.hf import CONFIG_KEY, record_in_dir
@@ -33,6 +34,7 @@ _STRICT_FALSE = "pass strict=False to kc.load_pretrained to load it anyway"
 log = logging.getLogger(__name__)
 
 
+@sees_through_wrappers
 def save_pretrained(model: nn.Module, directory) -> pathlib.Path:
     """Save only the KHA weights (safetensors) and config (JSON with a version) to ``directory``.
 

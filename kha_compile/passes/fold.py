@@ -25,6 +25,7 @@ from ..model.carrier import kha_modules, transforms_of
 from ..model.rows import fold_rows, weight_out_axis
 from ..model.sharded import refuse_sharded
 from ..model.transforms import kind_of
+from ..model.wrappers import sees_through_wrappers
 from ..store.hf import record_config
 
 __all__ = ["fold", "fold_rows", "weight_out_axis"]
@@ -52,6 +53,7 @@ def _foldable_roles(module: nn.Module) -> list[str]:
     return [r for r, t in transforms_of(module).items() if kind_of(t).foldable and r not in fixed]
 
 
+@sees_through_wrappers
 def fold(model: nn.Module, strict: bool = True) -> nn.Module:
     """Fold every linear KHA transform into its projection; returns ``model`` (changed in place).
 

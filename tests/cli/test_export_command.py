@@ -117,3 +117,13 @@ def test_export_generation_flags_that_do_not_fit(capsys, tmp_path, out, flags, m
     code, _, err = run(capsys, "export", "tiny-llama", str(tmp_path / out), *flags)
     assert code != 0 and re.search(match, err), err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("out", ["genai", "new/deeper/genai", "genai.onnx"])
+def test_a_refused_genai_export_writes_nothing_and_names_the_flag(capsys, tmp_path, out):
+    # an encoder keeps no KV cache: refused after loading, before anything is written
+    code, _, err = run(capsys, "export", "tiny-bert", str(tmp_path / out), "--genai")
+    err = " ".join(err.split())
+    assert code == 2 and "keeps none" in err
+    assert "without --genai / --generation" in err and "past=True" not in err
+    assert not list(tmp_path.iterdir())  # no directory left behind

@@ -54,9 +54,11 @@ def test_export_of_a_save_pretrained_directory_carries_the_trained_kha(capsys, t
     from kha_compile.exporters import onnx_summary
 
     trained, directory = _saved(tmp_path, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    files = {p.name: p.read_bytes() for p in directory.iterdir()}
     path = tmp_path / "model.onnx"
     code, out, _ = run(capsys, "export", str(directory), str(path))
     assert code == 0 and "✓" in out
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == files  # the model it exported is left as it was
     assert onnx_summary(path).num_custom_nodes == tiny.LAYERS  # the MLP-value of every layer
     _, kwargs = example_inputs(trained)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -85,7 +87,19 @@ def test_fold_of_a_directory_with_mlp_value_is_refused_and_writes_nothing(capsys
     _, directory = _saved(tmp_path, kc.KHAConfig(v="mlp"))
     code, _, err = run(capsys, "fold", str(directory), "--out", str(tmp_path / "f"))
     assert code == 2 and "cannot fold" in err
+    err = " ".join(err.split())
+    assert "kc." not in err and "strict=" not in err  # the command line's advice, not the Python API's
+    assert "kha-compile export MODEL OUT.onnx --kha DIR" in err
     assert not (tmp_path / "f").exists()
+
+
+def test_export_with_mlp_of_a_recording_directory_says_to_drop_the_flag(capsys, tmp_path):
+    _, directory = _saved(tmp_path, kc.KHAConfig(v="linear"))
+    code, _, err = run(capsys, "export", str(directory), str(tmp_path / "m.onnx"), "--mlp")
+    err = " ".join(err.split())
+    assert code == 2 and "already carries KHA" in err and "drop --mlp / --linear" in err
+    assert "kc." not in err
+    assert not list(tmp_path.glob("m.onnx*"))
 
 
 def test_fold_with_nothing_to_fold_is_refused(capsys, tmp_path):

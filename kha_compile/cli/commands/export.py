@@ -33,7 +33,7 @@ from ..models import MODEL_HELP, export_target, kha_param_count, load_with_kha
 from ..ort import ONNX_TOL, first_tensor, max_diff, ort_run
 from ..ui import UI, fmt_diff, kv_table, ok_mark
 
-__all__ = ["FORMATS", "NAME", "output_format", "prepare_output", "register", "run"]
+__all__ = ["FORMATS", "NAME", "output_format", "prepare_output", "register", "remove_created", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +109,35 @@ def register(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPars
     return p
 
 
-def prepare_output(out: pathlib.Path, ui: UI) -> None:
-    """Create the directory of ``out`` when it is missing, and say so; refuse a parent that is a file."""
+def prepare_output(out: pathlib.Path, ui: UI) -> list[pathlib.Path]:
+    """Create the directory of ``out`` when it is missing, and say so; refuse a parent that is a file.
+
+    Returns the directories created, deepest first (:func:`remove_created` takes them out again).
+    """
     parent = out.parent
     for d in (parent, *parent.parents):
         if d.exists() and not d.is_dir():
             raise CommandError(f"cannot write {out}: {d} exists and is not a directory.")
-    if not parent.exists():
+    created = [d for d in (parent, *parent.parents) if not d.exists()]
+    if created:
         parent.mkdir(parents=True)
         log.info("export: created the output directory %s", parent)
         ui.out.print(f"created the output directory {parent}")
+    return created
+
+
+def remove_created(created: list[pathlib.Path], ui: UI) -> None:
+    """Remove the directories an export created when it wrote nothing into them (a refused export)."""
+    removed = []
+    for d in created:  # deepest first
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            break
+        removed.append(d)
+    if removed:
+        log.info("export: removed the empty output directory %s", removed[-1])
+        ui.out.print(f"removed the output directory {removed[-1]} again: nothing was written")
 
 
 def run(args: argparse.Namespace, ui: UI) -> int:
@@ -136,21 +155,14 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         with ui.step(f"apply {cfg}"):
             kc.apply(model, cfg)
     target = export_target(model)
-    prepare_output(out if not args.genai or out.suffix == ".onnx" else out / "model.onnx", ui)
-    kind = " with a KV cache" if args.genai or args.generation else ""
-    with ui.step(
-        f"export {type(target).__name__} to {out} ({fmt}{kind}, dynamic={not args.static}, fold={not args.no_fold})"
-    ):
-        if args.genai:
-            out = export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold, past=True)
-        elif fmt == "ONNX":
-            export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
-        elif args.generation:  # checked below, by generated tokens
-            export_aoti(
-                target, out, fold=not args.no_fold, check=False, generation=True, max_cache_len=args.max_cache_len
-            )
-        else:
-            export_aoti(target, out, dynamic=not args.static, fold=not args.no_fold, check=False)  # checked below
+    created = prepare_output(out, ui)  # --genai into a directory: the export creates OUT itself, after its checks
+    try:
+        _export(target, out, fmt, args, ui)
+    except BaseException:
+        remove_created(created, ui)  # a refused export writes nothing
+        raise
+    if args.genai and out.suffix != ".onnx":
+        out = out / "model.onnx"
     rows = [
         ("file", f"{out} ({out.stat().st_size / 2**20:.2f} MiB)"),
         ("KHA parameters exported", f"{kha_param_count(target):,}"),
@@ -162,22 +174,44 @@ def run(args: argparse.Namespace, ui: UI) -> int:
         rows += checks
         status = 0 if ok else 1
     elif not args.no_check:  # against the model as loaded: with its trained KHA, unfolded
-        ex_args, ex_kwargs = example_inputs(target)
-        with torch.no_grad():
-            want = first_tensor(target(*ex_args, **ex_kwargs))
-        if fmt == "ONNX":
-            with ui.step("compare onnxruntime with torch on the example inputs"):
-                d = max_diff(torch.from_numpy(ort_run(out, ex_args, ex_kwargs)[0]), want)
-            ok = d < ONNX_TOL * max(1.0, float(want.abs().max()))
-            rows.append(("onnxruntime vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}"))
-        else:
-            with ui.step("load the package and compare it with torch on the example inputs"):
-                d = max_diff(_aoti_run(out, ex_kwargs), want)
-            ok = d < AOTI_TOL * max(1.0, float(want.abs().max()))
-            rows.append(("package vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}"))
+        ok, checks = _parity_rows(target, out, fmt, ui)
+        rows += checks
         status = 0 if ok else 1
     ui.out.print(kv_table(f"{name}: {fmt} export", rows))
     return status
+
+
+def _export(target: Any, out: pathlib.Path, fmt: str, args: argparse.Namespace, ui: UI) -> None:
+    kind = " with a KV cache" if args.genai or args.generation else ""
+    with ui.step(
+        f"export {type(target).__name__} to {out} ({fmt}{kind}, dynamic={not args.static}, fold={not args.no_fold})"
+    ):
+        if args.genai:
+            export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold, past=True)
+        elif fmt == "ONNX":
+            export_onnx(target, out, dynamic=not args.static, fold=not args.no_fold)
+        elif args.generation:  # checked below, by generated tokens
+            export_aoti(
+                target, out, fold=not args.no_fold, check=False, generation=True, max_cache_len=args.max_cache_len
+            )
+        else:
+            export_aoti(target, out, dynamic=not args.static, fold=not args.no_fold, check=False)  # checked below
+
+
+def _parity_rows(target: Any, out: pathlib.Path, fmt: str, ui: UI) -> tuple[bool, list[tuple[str, str]]]:
+    """The exported file against the model as loaded (trained KHA, unfolded) on the example inputs."""
+    ex_args, ex_kwargs = example_inputs(target)
+    with torch.no_grad():
+        want = first_tensor(target(*ex_args, **ex_kwargs))
+    if fmt == "ONNX":
+        with ui.step("compare onnxruntime with torch on the example inputs"):
+            d = max_diff(torch.from_numpy(ort_run(out, ex_args, ex_kwargs)[0]), want)
+        ok = d < ONNX_TOL * max(1.0, float(want.abs().max()))
+        return ok, [("onnxruntime vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}")]
+    with ui.step("load the package and compare it with torch on the example inputs"):
+        d = max_diff(_aoti_run(out, ex_kwargs), want)
+    ok = d < AOTI_TOL * max(1.0, float(want.abs().max()))
+    return ok, [("package vs torch", f"max |Δ| = {fmt_diff(d)} {ok_mark(ok)}")]
 
 
 def _generation_rows(target: Any, out: pathlib.Path, genai: bool) -> tuple[bool, list[tuple[str, str]]]:
