@@ -41,7 +41,9 @@ import torch
 
 from ..core.errors import CheckpointError, KHAError
 from ..core.optional import loaded, when_imported
-from ..model.config import KHAConfig
+from ..model.carrier import kha_modules
+from ..model.config import KHAConfig, config_of
+from ..model.sharded import adopt_sharded_projections
 from ..passes.apply import apply
 from ..passes.checkpoint import check_identity
 from ..store.format import checkpoint_misfit
@@ -164,8 +166,17 @@ def prepare_model(model: Any, quantization_config: Any, checkpoint_files: list[s
         cfg = KHAConfig.from_dict(entry)
     except (KHAError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{str(directory)!r} records an invalid KHA config in config.json: {exc}") from exc
-    with torch.device("cpu"):  # transformers builds the model under torch.device("meta"): inputs must be real
-        apply(model, cfg)
+    if kha_modules(model):  # KHA applied already (a subclass that calls kc.apply in __init__): it must agree
+        have = KHAConfig.from_dict(config_of(model)).roles()
+        if have != cfg.roles():
+            raise CheckpointError(
+                f"{type(model).__name__} already carries KHA {have} when it is built, but {str(directory)!r} records "
+                f"KHA {cfg.roles()}; build the model without KHA (kha_compile applies the recorded config while "
+                "loading), or apply the recorded config."
+            )
+    else:
+        with torch.device("cpu"):  # transformers builds the model under torch.device("meta"): inputs must be real
+            apply(model, cfg)
     if checkpoint_files:  # else a state_dict passed to from_pretrained: transformers reports what is missing
         _check_stored(model, cfg, directory, checkpoint_files)
     check_identity(model, directory, recorded_identity(entry), advice=_ANYWAY)
@@ -207,4 +218,7 @@ def release_model(model: Any) -> None:
     if hasattr(model.config, HINT_KEY):
         delattr(model.config, HINT_KEY)
     record_config(model)  # the kha_compile entry and quantization_config as kc.apply writes them
+    # transformers shards the model (tp_plan / distributed_config) before this hook: the KHA projections take
+    # their local heads now, so inference (no_grad, on local tensors) needs no first training forward
+    adopt_sharded_projections(model)
     log.info("loaded %s with its KHA (%s)", type(model).__name__, getattr(model.config, CONFIG_KEY, {}))

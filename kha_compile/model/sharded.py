@@ -261,8 +261,14 @@ def adopt_sharded_projections(model: nn.Module) -> list[str]:
         model = AutoModelForCausalLM.from_pretrained(d, tp_plan="auto")   # KHA applied before loading
         adopt_sharded_projections(model)                                   # ['model.layers.0.self_attn.q_proj', ...]
     """
+    fsdp = loaded("torch.distributed.fsdp")
+    under_fsdp = [  # FSDP2 shards parameters as DTensors too: not tensor parallel, and unsharded for each forward
+        name for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp.FSDPModule)
+    ]
     done = []
     for name, m in model.named_modules():
+        if any(name == p or name.startswith(f"{p}.") or not p for p in under_fsdp):
+            continue
         if "_kha_slots" in m.__dict__ and is_dtensor(m._parameters.get("weight")) and adopt_tensor_parallel(m):
             done.append(name)
     return done

@@ -10,6 +10,9 @@ torchrun --standalone --nproc_per_node=2 tests/parallel/_hf_parallel_ranks.py OU
 
 from __future__ import annotations
 
+import json
+import pathlib
+import shutil
 import sys
 
 import torch
@@ -62,6 +65,12 @@ def main(out_dir):
         kc.apply(model, MLP)
         perturb(model, scale=0.2)
         model.save_pretrained(f"{out_dir}/kha")  # transformers' own save: the .kha. tensors are in the weights
+        # the same files with a config.json that does not record KHA (as a model's own KHA code would save them)
+        shutil.copytree(f"{out_dir}/kha", f"{out_dir}/kha_unrecorded")
+        cfg_path = pathlib.Path(out_dir, "kha_unrecorded", "config.json")
+        entries = json.loads(cfg_path.read_text())
+        del entries["kha_compile"], entries["quantization_config"]
+        cfg_path.write_text(json.dumps(entries))
     dist.barrier()
     logits, ref = reference(out_dir)
     tp = DistributedConfig(tp_size=2)
@@ -73,8 +82,9 @@ def main(out_dir):
     moved = compare("transformers tp", steps(model, [IDS]), ref)  # the no_grad logits run transformers' local path
     print(f"OK transformers tp trained max|grad| {moved:.3g}")
 
-    # inference first: transformers runs the projections on local tensors, where the shard cannot be read
-    model = KHALlama.from_pretrained(f"{out_dir}/kha", distributed_config=tp)
+    # inference first, KHA put on by the model's own code and loaded without kha_compile's quantizer (which
+    # adopts by itself): transformers runs the projections on local tensors, where the shard cannot be read
+    model = KHALlama.from_pretrained(f"{out_dir}/kha_unrecorded", distributed_config=tp)
     with torch.no_grad():
         refused(lambda: model(input_ids=IDS, use_cache=False), "adopt_sharded_projections", "kc.parallelize")
         adopted = kc.parallel.adopt_sharded_projections(model)
@@ -82,6 +92,17 @@ def main(out_dir):
         got = model(input_ids=IDS, use_cache=False).logits
     assert (got - logits).abs().max() < 1e-5, float((got - logits).abs().max())
     print("OK transformers tp inference after adopt")
+
+    # by path, as a user loads it: kha_compile's quantizer applies KHA before the weights load and adopts the
+    # local heads after transformers sharded them, so inference needs no further call
+    model = LlamaForCausalLM.from_pretrained(f"{out_dir}/kha", distributed_config=tp)
+    assert model.model.layers[0].self_attn.v_proj.weight.placements[0].is_shard(0)
+    with torch.no_grad():
+        got = model(input_ids=IDS, use_cache=False).logits
+    assert (got - logits).abs().max() < 1e-5, float((got - logits).abs().max())
+    model.train()
+    moved = compare("from_pretrained tp", steps(model, [IDS]), ref)
+    print(f"OK from_pretrained by path under tp, inference then training max|grad| {moved:.3g}")
 
     # KHA before transformers' FSDP2 plan: KHA's parameters are sharded with their layer
     model = KHALlama.from_pretrained(f"{out_dir}/kha", distributed_config=DistributedConfig(fsdp_size=2))

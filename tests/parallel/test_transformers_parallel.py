@@ -29,6 +29,10 @@ def test_inference_first_under_transformers_tensor_parallel_is_refused_until_ado
     expect(hf_run, "OK transformers tp inference after adopt", 2)
 
 
+def test_from_pretrained_by_path_under_transformers_tensor_parallel_runs_inference_and_trains(hf_run):
+    expect(hf_run, "OK from_pretrained by path under tp", 2)
+
+
 def test_kha_before_transformers_fsdp2_trains_like_one_process(hf_run):
     expect(hf_run, "OK transformers fsdp2 trained", 2)
 
