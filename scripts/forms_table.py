@@ -302,6 +302,42 @@ FORMS += [
     ]
 ]
 
+SHARED = "tests/integrations/test_attention_forms_shared.py"
+FORMS += [
+    Form(name, rule, rf"{SHARED}::test_form_matches_a_per_head_reference\[{case}", "-", "CPU and GPU")
+    for name, rule, case in [
+        (
+            "one projection called for two roles: two-way cross-attention with one q/k projection run on both "
+            "inputs; T^Q, T^K on the arguments of the attention calls, not foldable",
+            "sdpa / einsum_softmax",
+            "one_projection_called_for_two_roles",
+        ),
+        (
+            "shared-QK attention, q = k (Reformer's shared query-key space without LSH, self-score masked); T^Q, "
+            "T^K on the attention arguments, not foldable",
+            "sdpa / einsum_softmax",
+            "shared_qk",
+        ),
+        (
+            "tied row attention over an alignment: scores summed over the rows and the head dim (ESM-MSA, AlphaFold)",
+            "einsum_softmax",
+            "tied_row_attention",
+        ),
+        (
+            "keys and values compressed along the sequence before the head split (Linformer: a Linear over the "
+            "token axis, `E @ K`)",
+            "sdpa",
+            "linformer_sequence_compression",
+        ),
+        ("heads as separate modules, twelve of them (`heads.0` ... `heads.11`)", "manual_softmax", "twelve_heads"),
+        (
+            "graph attention with the score written key-first, `(k[src] * q[dst]).sum(-1)`, or query-first",
+            "segment_softmax",
+            "graph_attention",
+        ),
+    ]
+]
+
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
 
 

@@ -1,9 +1,10 @@
 """Where a role enters the attention call: the call, its argument, the head axis there.
 
-When keys and values are the same features of one projection (``k = v``: DeepSeek-V4's
-``kv_proj``), a transform after the projection would change both. KHA then acts on the key path
-and on the value path where they part, at the attention call itself: the transform of each role
-goes on the argument of the attention op that carries it. :func:`attention_arg` names that
+When two roles read the same features of one projection (``k = v``: DeepSeek-V4's ``kv_proj``;
+``q = k``; one projection called for queries and for keys, :mod:`.shared_roles`), a transform after
+the projection would change both. KHA then acts on each role's path where they part, at the
+attention call itself: the transform of each role goes on the argument of the attention op that
+carries it. :func:`attention_arg` names that
 argument in terms the model's runtime can find again in a forward: the module whose forward makes
 the call, the op family and its operands' ranks, how many such calls precede it there (nested
 modules included, in graph order as in call order), the argument position and the head axis.
@@ -80,6 +81,8 @@ def attention_arg(g: MatchGraph, anchor: Node, target: Node, axis: int, role: st
         attention_arg(g, value_matmul, v_node, -1, "v")
     """
     users = [u for u in target.users if family_of(u) is not None]
+    if anchor not in users:  # the score product of this attention (one tensor may feed the products of several)
+        users = [u for u in users if g.path_nodes(u, anchor)]
     if not users:
         return None
     call = anchor if anchor in users else min(users, key=g.order.__getitem__)
@@ -90,8 +93,9 @@ def attention_arg(g: MatchGraph, anchor: Node, target: Node, axis: int, role: st
     args = call.args[1] if family == "einsum" else call.args
     if not isinstance(args, (list, tuple)) or target not in args:
         return None
-    position = "qkv".index(role) if family == "sdpa" else list(args).index(target)  # sdpa(q, kv, kv): by role
-    if args[position] is not target:
+    found = [i for i, a in enumerate(args) if a is target]  # q = k: one tensor at both operands of the scores
+    position = "qkv".index(role) if family == "sdpa" else found[-1] if role == "k" else found[0]
+    if position >= len(args) or args[position] is not target:
         return None
     home = module_path_of(call)
     scope = g.scope.get(list(stack)[-1], []) if home else list(g.graph.nodes)  # the root's forward: all of it

@@ -22,8 +22,9 @@ from typing import cast
 import torch
 from torch.fx import Node
 
-from .attention_calls import AttentionArg, attention_arg
+from .attention_calls import AttentionArg
 from .completeness import unclaimed
+from .describe import op_words
 from .graph import (
     ALLOC_OPS,
     NORM_OPS,
@@ -47,8 +48,11 @@ from .layout import (
     same_shape,
     shape_of,
     token_shape,
+    varies,
 )
 from .rules import Anchor, attention_rules
+from .shared_roles import split_shared
+from .token_mixing import MIXING_PRODUCTS, temporal_conv, through_product
 from .writes import through_write, written_value
 
 __all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
@@ -68,9 +72,11 @@ class RoleMatch:
     rope: bool
     qk_norm: bool
     joined: bool = False  # the walk went through a sequence-axis cat with other projections (joint streams)
-    # keys and values are the same features of one projection (k = v): the role's transform goes on
-    # the attention call's argument instead (.attention_calls)
+    # another role reads the same features of this projection (k = v, q = k, one projection called for
+    # two roles): the role's transform goes on the attention call's argument instead (.shared_roles)
     at_attention: AttentionArg | None = None
+    shares: tuple[str, ...] = ()  # the roles reading these features, this one included ("q", "k")
+    shares_calls: bool = False  # ... through different calls of the projection
 
 
 @dataclasses.dataclass
@@ -86,6 +92,7 @@ class RawSite:
     joint: dict[str, list[RoleMatch]] = dataclasses.field(default_factory=dict)
     join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum" | "heads"
     heads: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> heads, when heads are modules (.heads)
+    targets: dict[str, tuple[Node, int]] = dataclasses.field(default_factory=dict)  # role -> (anchor node, head axis)
 
     def all_roles(self) -> list[RoleMatch]:
         """Every role match of the site, the other projections of joint roles included."""
@@ -109,19 +116,21 @@ def _trig_near(node: Node, depth: int = 8) -> bool:
 
 def _role_match(
     g: MatchGraph, role: str, target: Node, expect_dim: int, proj: Projection, head_axis: int = -1
-) -> tuple[RoleMatch | None, str]:
+) -> tuple[RoleMatch | None, str, bool]:
     """Push the projection's feature index to ``target`` and read the head map at the head split.
 
     ``head_axis``: the axis of ``target`` holding the head vector (the last, unless the rule says
-    otherwise: K^T, an einsum over (B*H, Dh, T) tensors).
+    otherwise: K^T, an einsum over (B*H, Dh, T) tensors). The flag is True when the projection's
+    features reach the attention on another axis than the head vector's (a product over tokens,
+    Linformer's compression): the role's projection may be further back (:mod:`.token_mixing`).
     """
     path = g.path_nodes(proj.node, target)
     if not path:
-        return None, f"{role}: no path from {proj.node.name} to {target.name}"
+        return None, f"{role}: no path from {op_words(proj.node)} [{proj.node.name}] to [{target.name}]", False
     chain = g.articulation(path)
     shape = token_shape(proj.node)  # rows routed to one expert have a data-dependent count
     if shape is None:
-        return None, f"{role}: {proj.node.name} has a symbolic shape"
+        return None, f"{role}: {op_words(proj.node)} [{proj.node.name}] has a symbolic shape", False
     idx = proj.out_index if proj.out_index is not None else torch.arange(shape[-1]).expand(shape)
     # expected head dim at each chain node: the anchor's, or a piece of it before a last-axis cat
     expect = [expect_dim] * len(chain)
@@ -147,6 +156,7 @@ def _role_match(
     found: HeadMap | None = None
     stop = ""
     joined = False
+    elsewhere = False  # the projection's features are not on the head vector at the attention
     path_set = set(path)
     seen: list[tuple[Node, torch.Tensor]] = []  # chain nodes with a tensor index, in order
     region: tuple[Node, str] | None = None  # (where, why) a region that changed the shape opened, while in flight
@@ -180,42 +190,48 @@ def _role_match(
                     idx = back  # RoPE on pairs: split or unbound, then written back whole (Wan's empty_like + slices)
                 elif isinstance(idx, tuple) and node.target is not None:
                     raise NotLayout(f"tuple consumed by {node.target}")
+                elif node.target in MIXING_PRODUCTS and isinstance(idx, torch.Tensor):
+                    idx = through_product(idx, node, prev, path_set)  # a product over tokens (Linformer)
                 else:
-                    raise NotLayout(f"{node.name} ({node.target}) changes the shape")
+                    raise NotLayout("it changes the shape")
             except (NotLayout, RuntimeError, IndexError, TypeError) as exc:
+                at = f"{op_words(node)} [{node.name}]"
                 if node.target in LAYOUT_OPS or node.target in INDEX_OPS:
                     # a layout op we could not evaluate: the head map after it is unknown
-                    return None, f"{role}: cannot follow layout op {node.name} ({node.target}): {exc}"
+                    return None, f"{role}: cannot follow the layout op {at}: {exc}", False
                 if isinstance(idx, torch.Tensor) and node.target not in ALLOC_OPS:
                     # RoPE on interleaved pairs stacked back (Mochi: stack([cos, sin], -1).flatten(-2)): a value
                     # region that returns to its entry's shape keeps each feature in place, as one op of one shape does
-                    region = (prev, f"stopped at {node.name}: {exc}")
+                    region = (prev, f"stopped at {at}: {exc}")
                     continue
-                stop = f"stopped at {node.name}: {exc}"
+                stop = f"stopped at {at}: {exc}"
                 break
         if isinstance(idx, torch.Tensor):
             seen.append((node, idx))
         here = idx
         if node is target and isinstance(idx, torch.Tensor) and head_axis % max(idx.dim(), 1) != idx.dim() - 1:
             here = idx.movedim(head_axis, -1)  # the head vector on another axis at the attention
+        if node is target and isinstance(here, torch.Tensor) and here.dim() and here.shape[-1] > 1:
+            elsewhere = not varies(here, -1)  # the features went to another axis (tokens, after a product)
         if isinstance(here, torch.Tensor) and here.shape[-1] == expect[i]:
             hm = read_head_map(here)
             if hm is not None:
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if region is not None:  # never came back to its entry's shape: the head map after it is unknown
         stop = region[1]
+    if elsewhere and found is None:
+        return None, f"{role}: the features of {op_words(proj.node)} are not the head vector at the attention", True
     if found is None:
-        conv = _temporal_conv(path)
+        conv = temporal_conv(path)
         if conv:
-            return None, f"{role}: {conv}"
-        return None, f"{role}: no head split found between {proj.node.name} and {target.name}" + (
-            f" ({stop})" if stop else ""
-        )
+            return None, f"{role}: {conv}", False
+        where = f"{op_words(proj.node)} [{proj.node.name}] and the attention's {role} [{target.name}]"
+        return None, f"{role}: no head split found between {where}" + (f" ({stop})" if stop else ""), False
     rope = any(_trig_near(inp) for n in path for inp in g.inputs(n) if inp not in path_set) or any(
         n.target is aten.view_as_complex.default for n in path
     )
     qk_norm = any(n.target in NORM_OPS for n in path if n.op == "call_function")
-    return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), ""
+    return RoleMatch(role, proj, found, shared, rope, qk_norm, joined), "", elsewhere
 
 
 def _region_entry(seen: list[tuple[Node, torch.Tensor]], node: Node) -> torch.Tensor | None:
@@ -240,20 +256,6 @@ def _mixes_features(g: MatchGraph, start: Node, end: Node) -> bool:
     """A convolution, product or attention on some path from ``start`` to ``end``: the region between
     them mixes features (or tokens) and is no value region, whatever shape it gives back."""
     return any(n.op == "call_function" and n.target in _MIXING_OPS for n in g.path_nodes(start, end))
-
-
-def _temporal_conv(path: list[Node]) -> str:
-    """Why a convolution over the sequence between the projection and the attention defeats KHA, or ''."""
-    for n in path:
-        w = n.args[1] if n.op == "call_function" and n.target in _CONV_OPS and len(n.args) > 1 else None
-        shape = shape_of(w) if isinstance(w, Node) else None
-        if shape is not None and len(shape) == 3 and shape[-1] > 1:
-            return (
-                f"the head vector is mixed over the sequence by a convolution ({n.name}, kernel {shape[-1]}) between "
-                "its projection and the attention (compressed convolutional attention, as ZAYA's CCA); a shared "
-                "transform after the projection would not commute with it"
-            )
-    return ""
 
 
 _SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)
@@ -375,19 +377,6 @@ def _latent_projection(g: MatchGraph, proj: Projection, scope: str, depth: int =
     return None
 
 
-def _split_shared_kv(g: MatchGraph, site: RawSite, anchor: Anchor) -> None:
-    """k = v (the same features of one projection): give k and v their attention-call arguments."""
-    k, v = site.roles.get("k"), site.roles.get("v")
-    if k is None or v is None or k.projection.node is not v.projection.node or site.joint:
-        return
-    if not set(k.head_map.index.flatten().tolist()) & set(v.head_map.index.flatten().tolist()):
-        return
-    args = {r: attention_arg(g, anchor.node, anchor.roles[r], anchor.head_axes.get(r, -1), r) for r in "kv"}
-    if args["k"] is not None and args["v"] is not None:
-        site.roles["k"] = dataclasses.replace(k, at_attention=args["k"])
-        site.roles["v"] = dataclasses.replace(v, at_attention=args["v"])
-
-
 def _anchors(g: MatchGraph) -> list[Anchor]:
     """The anchor of each attention op: the first registered rule that recognises it; then an
     ``unmatched`` anchor for each attention softmax no rule claimed (:mod:`.completeness`)."""
@@ -407,6 +396,21 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
     return sorted(out + extra, key=lambda a: g.order[a.node]) if extra else out
 
 
+def _walk_role(
+    g: MatchGraph, role: str, piece: Node, dim: int, proj: Projection, axis: int, passed: set[Node]
+) -> tuple[list[RoleMatch], list[str]]:
+    """The role's matches from ``proj``, or from the projections behind it when its features are not the
+    head vector at the attention (Linformer's ``E`` mixes tokens: ``k`` behind it is the role's); the reasons."""
+    m, why, behind = _role_match(g, role, piece, dim, proj, axis)
+    if behind and proj.node not in passed and len(passed) < 8:
+        passed.add(proj.node)
+        walks = [_walk_role(g, role, piece, dim, p, axis, passed) for p in g.find_projections(proj.input_node)[0]]
+        ms, ws = [x for w in walks for x in w[0]], [x for w in walks for x in w[1]]
+        if ms or m is None:
+            return (ms, ws) if ms else ([], ws or [why])
+    return ([m], []) if m is not None else ([], [why])
+
+
 def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
     """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail."""
     problems: list[str] = []
@@ -419,15 +423,13 @@ def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
         for piece, axis in targets:
             projs, why = g.find_projections(piece)
             if not projs:
-                whys.append(
-                    f"{role}: no projection found walking back from {piece.name}" + (f" ({why})" if why else "")
-                )
+                at = f"{op_words(piece)} [{piece.name}]"
+                whys.append(f"{role}: no projection found walking back from {at}" + (f" ({why})" if why else ""))
+            passed: set[Node] = set()
             for proj in projs:
-                m, w = _role_match(g, role, piece, dims[role], proj, axis)
-                if m is not None:
-                    matches.append(dataclasses.replace(m, joined=True) if len(targets) > 1 else m)
-                else:
-                    whys.append(w)
+                ms, ws = _walk_role(g, role, piece, dims[role], proj, axis, passed)
+                matches.extend(dataclasses.replace(m, joined=True) if len(targets) > 1 else m for m in ms)
+                whys.extend(ws)
         if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
             matches = []
         if not matches:
@@ -459,7 +461,9 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         key = list(node.meta.get("nn_module_stack") or {"": None})[-1]
         if "@" in key:  # a module called more than once (shared layers): one site per call
             name += "@" + key.rpartition("@")[2]
-        site = RawSite(name, rule, node, {}, reason)
+        site = RawSite(
+            name, rule, node, {}, reason, targets={r: (n, anchor.head_axes.get(r, -1)) for r, n in roles.items()}
+        )
         if reason:
             sites.append(site)
             continue
@@ -469,10 +473,10 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             other = RawSite(name, alt.rule, alt.node, {}, "")
             if not _match_roles(g, alt, other):
                 site, anchor, roles = other, alt, alt.roles
+                site.targets = {r: (n, alt.head_axes.get(r, -1)) for r, n in roles.items()}
                 problems = []
         if problems:
             site.reason = "; ".join(problems)
-        _split_shared_kv(g, site, anchor)
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
             site.mla = (
@@ -489,4 +493,6 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)
-    return group_heads(g, sites)  # heads written as separate modules: one site, one transform per role
+    sites = group_heads(g, sites)  # heads written as separate modules: one site, one transform per role
+    split_shared(g, sites)  # roles reading the same features of one projection: on the attention's arguments
+    return sites

@@ -1,9 +1,11 @@
-"""Projection handler for keys and values that are one projection's features (k = v).
+"""Projection handler for roles that read the same features of one projection (k = v, q = k, ...).
 
 DeepSeek-V4 projects one kv head (``kv_proj``) and passes it to the attention as both keys and
-values. A transform after ``kv_proj`` would change both roles, which is not KHA. The match gives
-such roles the attention argument that carries each (:mod:`kha_compile.analysis.attention_calls`);
-this handler puts T^K on the key argument and T^V on the value argument of that call, in the
+values; shared-QK attention reads one projection as queries and keys; two-way cross-attention
+calls one query/key projection on both inputs. A transform after such a projection would change
+every role it feeds, which is not KHA. The match gives such roles the attention argument that
+carries each (:mod:`kha_compile.analysis.shared_roles`); this handler puts each role's transform
+(T^K on the key argument, T^V on the value argument, ...) on that argument of that call, in the
 module whose forward makes it (:mod:`kha_compile.model.attention_inputs`). They sit after
 whatever the shared path does between the projection and the attention (DeepSeek-V4: ``kv_norm``
 and RoPE), and they never fold: one weight cannot carry two transforms. The site's note says so,
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from ..analysis.shared_roles import sharing_words
 from ..core.errors import FoldError
 from ..model.attention_inputs import ArgCall, attach_inputs, detach_inputs, is_attention_inputs
 from ..model.carrier import set_handler, transforms_of
@@ -43,7 +46,7 @@ class InputsEntry:
 
 
 class AttentionInputsHandler(ProjectionHandler):
-    """Owns the k and v roles of a site whose keys are its values (see the module doc)."""
+    """Owns the roles of a site that read the same features of one projection (see the module doc)."""
 
     name = "attention_inputs"
     priority = 1  # before every projection handler: these roles must not go after the projection
@@ -75,15 +78,17 @@ class AttentionInputsHandler(ProjectionHandler):
     ) -> str:
         if not roles:
             return ""
-        m = next(iter(roles.values()))
-        arg = m.at_attention
-        assert arg is not None
-        what = ", ".join(f"T^{r.upper()}" for r in sorted(roles))
+        what = ", ".join(f"T^{r.upper()}" for r in "qkv" if r in roles)
+        shared = "; ".join(dict.fromkeys(sharing_words(m, rename) for m in roles.values()))
+        calls = dict.fromkeys(
+            f"{m.at_attention.family} in {rename(m.at_attention.home) or 'forward'}"
+            for m in roles.values()
+            if m.at_attention is not None
+        )
         return (
-            f"k = v: keys and values are the same features of {rename(m.projection.module_path)}; {what} act on the "
-            f"key and value arguments of the attention call ({arg.family} in {rename(arg.home) or 'forward'}), "
-            "where the two paths part, after what the shared path does on the way; not foldable (one weight "
-            "cannot carry two transforms)"
+            f"{shared}; {what} {'act' if len(roles) > 1 else 'acts'} on the arguments of the attention call ({', '.join(calls)}) that carry "
+            "each role, where the paths part, after what the shared path does on the way; not foldable (one "
+            "weight cannot carry two transforms)"
         )
 
     def attach(self, module: nn.Module, entry: PlanEntry) -> None:
@@ -101,8 +106,9 @@ class AttentionInputsHandler(ProjectionHandler):
     def fold(self, module: nn.Module, roles: Sequence[str]) -> list[tuple[str, Tensor]]:
         if roles:
             raise FoldError(
-                f"{type(module).__name__}: the k = v transforms on the attention arguments ({', '.join(roles)}) do "
-                "not fold into the shared projection (one weight cannot carry T^K and T^V). Nothing was changed."
+                f"{type(module).__name__}: the transforms on the attention arguments ({', '.join(roles)}) of roles "
+                "that read the same features of one projection do not fold into it (one weight cannot carry two "
+                "transforms). Nothing was changed."
             )
         return []
 

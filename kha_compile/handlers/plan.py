@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from typing import cast
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
+from ..analysis.shared_roles import sharing_words
 from ..analysis.trace import Capture
 from ..core.errors import UnsupportedModelError
 from ..core.kinds import Role, SiteKind
@@ -68,7 +70,7 @@ def build_sites(
     for raw in raw_sites:
         copies = _copies(raw, cap)
         if raw.reason or set(raw.roles) != {"q", "k", "v"}:
-            sites.extend(_skipped(raw, name, raw.reason or "incomplete match") for name, _ in copies)
+            sites.extend(_skipped(raw, name, _renamed(raw.reason, rn) or "incomplete match") for name, rn in copies)
             continue
         q, k, v = (raw.roles[r] for r in "qkv")
         n_q, n_k = (raw.heads.get(r, raw.roles[r].head_map.num_heads) for r in "qk")
@@ -94,13 +96,20 @@ def build_sites(
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
-                sites.append(_skipped(raw, name, "; ".join(bad)))
+                sites.append(_skipped(raw, name, _renamed("; ".join(bad), rename)))
                 continue
             paths = {r: rename(raw.roles[r].projection.module_path) for r in "qkv"}
             homes = {  # where each role's transform is planned: its projection, or the attention call (k = v)
                 r: rename(h.entry_path(raw.roles[r])) if (h := handlers[r][0]) is not None else paths[r] for r in "qkv"
             }
             merged, conflicts = _merge_with_planned(plan, kinds, homes, slots, handlers)
+            taken = {p: e.handler for p, e in plan.items()}
+            for r in kinds:  # one module, two handlers (an attention-argument home that also calls a projection)
+                if taken.setdefault(homes[r], _name(handlers[r][0])) != _name(handlers[r][0]):
+                    conflicts.append(
+                        f"{r}: {homes[r] or 'the model'} would carry KHA of two handlers ({taken[homes[r]]} and "
+                        f"{_name(handlers[r][0])}); leave {r} without KHA or make its projection a module"
+                    )
             if conflicts:
                 sites.append(_skipped(raw, name, "; ".join(conflicts)))
                 continue
@@ -129,8 +138,9 @@ def build_sites(
                 calls=_calls(raw),
             )
             current_transforms(model, site, homes)
+            shown = [r for r in "qkv" if r in kinds] if kinds else list("qkv")  # roles with a transform
             notes = [
-                h.describe(model, {r: raw.roles[r] for r in "qkv" if handlers[r][0] is h}, rename)
+                h.describe(model, {r: raw.roles[r] for r in shown if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
             ]
             if merged:
@@ -259,22 +269,21 @@ def _share_tied(model: nn.Module, plan: dict[str, PlanEntry]) -> None:
 
 
 def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
-    """Roles that read the same output features of one projection (K = V, shared QK): a transform
-    there would change both, which is not KHA, so the site is skipped."""
-    out = []
-    for r1, r2 in (("q", "k"), ("k", "v"), ("q", "v")):
-        a, b = raw.roles[r1], raw.roles[r2]
-        if a.projection.node is not b.projection.node or not (r1 in kinds or r2 in kinds):
-            continue
-        if a.at_attention is not None and b.at_attention is not None:
-            continue  # k = v: each transform goes on its own attention argument
-        common = set(a.head_map.index.flatten().tolist()) & set(b.head_map.index.flatten().tolist())
-        if common:
-            out.append(
-                f"{r1} and {r2} are the same features of {a.projection.module_path or a.projection.param} "
-                f"({r1} = {r2}); a KHA transform on one would change the other"
+    """Roles with a transform that read the same output features as another role (k = v, q = k, one
+    projection called for two roles) and whose attention argument was not found: a transform after
+    the projection would change the other role too, which is not KHA, so the site is skipped."""
+    lost: dict[str, list[str]] = {}  # what is shared -> the roles with a transform and no attention argument
+    for r in kinds:
+        m = raw.roles[r]
+        if m.shares and m.at_attention is None:
+            lost.setdefault(sharing_words(m), []).append(
+                r + (" (joined from several projections)" if raw.joint.get(r) else "")
             )
-    return out
+    return [
+        f"{words}; a KHA transform after the projection would change the other role too, and no attention call "
+        f"was found to take it on the {' and '.join(roles)} argument{'s' if len(roles) > 1 else ''} instead"
+        for words, roles in lost.items()
+    ]
 
 
 def _realized(m: RoleMatch, rename: Callable[[str], str]) -> RoleMatch:
@@ -385,6 +394,19 @@ def _copies(raw: RawSite, cap: Capture) -> list[tuple[str, Callable[[str], str]]
 
         out.append((rename(raw.name), rename))
     return out
+
+
+_PATH = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
+
+
+def _renamed(text: str, rename: Callable[[str], str]) -> str:
+    """``text`` with every dotted module path in it renamed for one copy of a repeated block.
+
+    Example::
+
+        _renamed("q: blocks.0.qk is ...", rename)     # "q: blocks.1.qk is ..." for the second block
+    """
+    return _PATH.sub(lambda m: rename(m.group(0)), text)
 
 
 def _name(handler: ProjectionHandler | None) -> str:

@@ -1,9 +1,10 @@
-"""KHA on the arguments of an attention call: keys and values that are one projection's features (k = v).
+"""KHA on the arguments of an attention call: roles that read the same features of one projection.
 
-When one projection gives both keys and values (DeepSeek-V4's ``kv_proj``), a transform after it
-would change both, so T^K and T^V go where the key path and the value path part: on the key and
-value arguments of the attention call (``scaled_dot_product_attention(q, kv, kv)``, or the score
-and value products of a softmax written out). The module whose forward makes the call gets the
+When one projection gives two roles (DeepSeek-V4's ``kv_proj``: k = v; shared-QK attention: q = k;
+one query/key projection called on both inputs of a two-way cross-attention), a transform after it
+would change both, so each role's transform goes where the paths part: on that role's argument of
+the attention call (``scaled_dot_product_attention(q, kv, kv)``, or the score and value products
+of a softmax written out). The module whose forward makes the call gets the
 ``KHAAttentionInputs<Base>`` class (same object, parameters and keys) and a ``kha`` child; its
 forward runs under a ``TorchFunctionMode`` that finds each planned call by family and
 occurrence (as in the traced graph) and applies the role's transform to that argument's head
@@ -118,7 +119,7 @@ class _ArgMode(TorchFunctionMode):
 
 
 class KHAAttentionInputs(nn.Module):
-    """Mixin of a module whose attention calls get KHA on their key / value arguments (see the module doc)."""
+    """Mixin of a module whose attention calls get KHA on their role arguments (see the module doc)."""
 
     _kha_base_class: ClassVar[type[Any]]
     kha: KHATransforms

@@ -87,7 +87,12 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
             f"cannot fold: {why} ({shown}). Nothing was changed. "
             "Use kc.fold(model, strict=False) to fold only the linear transforms that fold, and "
             "kc.export_onnx(...) to ship the rest as ops."
-            + (" (k = v: T^K and T^V on the attention arguments cannot both fold into one weight.)" if fixed else "")
+            + (
+                " (Roles that read the same features of one projection (k = v, q = k, one projection called for "
+                "two roles) carry their transforms on the attention arguments: they cannot both fold into one weight.)"
+                if fixed
+                else ""
+            )
         )
     # 1. compute every new tensor; nothing is written yet
     updates: list[tuple[nn.Module, str, Tensor]] = []

@@ -1,10 +1,15 @@
 """Rule ``einsum_softmax``: ``softmax(einsum("...id,...jd->...ij", q, k) ...)`` then an einsum with v.
 
 Libraries written with einops-style code (x-transformers, many research models) compute the scores
-and the weighted sum of values with ``torch.einsum``. The score einsum contracts exactly one letter
-(the head dim) between q and k; the value einsum contracts the key axis of the probabilities with
-v, whose remaining letter is v's head dim. Masks, biases, scaling and casts may sit between the
+and the weighted sum of values with ``torch.einsum``. The score einsum contracts one letter (the
+head dim) between q and k; the value einsum contracts the key axis of the probabilities with v,
+whose remaining letter is v's head dim. Masks, biases, scaling and casts may sit between the
 scores and the softmax, dropout between the softmax and the value einsum.
+
+Tied attention over the rows of an alignment (ESM-MSA's and AlphaFold's tied row attention,
+``einsum("rinhd,rjnhd->hnij", q, k)``) contracts a row axis with the head dim: the scores are summed
+over rows. The head dim is then the contracted letter on the last axis of q (or k), and v's the
+carried letter on its last axis; a per-head transform of the features commutes with the sum.
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ def _contracted(ins: list[str], out: str) -> list[str]:
     return [c for c in ins[0] if c in ins[1] and c not in out]
 
 
+def _carried(sp: str, sv: str, vout: str) -> list[str]:
+    """The letters of v the value einsum carries to its output, not in the probabilities: v's head dim.
+
+    Tied attention over the rows of an alignment also carries the row axis (``hnij,rjnhd->rinhd``):
+    the head dim is then the one on v's last axis.
+    """
+    carried = [ch for ch in sv if ch in vout and ch not in sp]
+    return [sv[-1]] if len(carried) > 1 and sv[-1] in carried else carried
+
+
 def _key_axis_cat(node: Any, depth: int = 6) -> Node | None:
     """A ``cat`` along the last axis the scores went through (masks and scaling on the way)."""
     for _ in range(depth):
@@ -128,8 +143,17 @@ class EinsumSoftmaxRule:
             return None
         (sq, sk), sout, (q, k) = score
         c = _contracted([sq, sk], sout)
+        if len(c) > 1:  # tied attention: the scores also sum over rows of an alignment (MSA row attention)
+            c = [ch for ch in (sq[-1], sk[-1]) if ch in c][:1] or c
         if len(c) != 1:
-            return Anchor(node, self.name, {}, {}, f"score einsum contracts {c or 'nothing'}, not one head dim")
+            return Anchor(
+                node,
+                self.name,
+                {},
+                {},
+                f"score einsum contracts {c or 'nothing'}, not one head dim (nor a head dim on the last axis of q "
+                "or k, with other axes summed over)",
+            )
         qs, ks = shape_of(q), shape_of(k)
         if qs is None or ks is None:
             return Anchor(node, self.name, {}, {}, "score einsum inputs have symbolic shapes")
@@ -139,7 +163,7 @@ class EinsumSoftmaxRule:
                 node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it"
             )
         vnode, (sp, sv), vout, v = value
-        vdims = [ch for ch in sv if ch in vout and ch not in sp]
+        vdims = _carried(sp, sv, vout)
         vs = shape_of(v)
         if len(vdims) != 1 or vs is None:
             return Anchor(node, self.name, {}, {}, f"value einsum {vnode.name} does not leave one head dim of v")
@@ -162,7 +186,7 @@ class EinsumSoftmaxRule:
                 if len(c2) == 1:
                     extra["k"].append((k2, sk2.index(c2[0])))
         for _, (sp, sv), vout, v2 in self._values(g, softmax):
-            vdims = [ch for ch in sv if ch in vout and ch not in sp]
+            vdims = _carried(sp, sv, vout)
             if v2 is not v and len(vdims) == 1:
                 extra["v"].append((v2, sv.index(vdims[0])))
         return {r: tuple(ns) for r, ns in extra.items() if ns}

@@ -10,7 +10,8 @@ scores over the edges that reach one target node, and sum the values of those ed
 
 with ``scatter_sum`` written as ``index_add``, ``scatter_add`` or ``scatter_reduce(..., "sum")``.
 The rule anchors on the division by the gathered segment sum; q and k are the two per-head
-factors of the score's dot product (q the one gathered with the segment index), v the factor the
+factors of the score's dot product (q the one gathered with the segment index, in either operand
+order: ``(k[src] * q[dst]).sum(-1)`` too, the index written once or at each use), v the factor the
 probabilities multiply before the scatter. The walk back follows the gathers along the edge axis.
 A segment softmax whose scores are not a dot product of two per-head activations (GAT's additive
 scores, ``(x * a).sum(-1)`` with a learned vector ``a``) is declined with that reason, so a graph
@@ -80,6 +81,23 @@ def _segment_sum(den: Any) -> tuple[Node, Node] | None:
         return None
     idx = sorted(index_args(gathered), key=lambda n: n.name)
     return total, idx[0] if idx else total
+
+
+def _same_index(a: Any, b: Any, depth: int = 6) -> bool:
+    """``a`` and ``b`` are one index: one node, or the same ops with the same arguments on one source
+    (``edge_index[1]`` written at the gather and again at the scatter)."""
+    if a is b:
+        return True
+    if depth == 0 or not isinstance(a, Node) or not isinstance(b, Node) or a.op != "call_function":
+        return False
+    if a.target is not b.target or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    return all(_same_index(x, y, depth - 1) if isinstance(x, Node) else x == y for x, y in zip(a.args, b.args))
+
+
+def _gathered_by(factor: Any, segment: Node) -> bool:
+    """True when ``factor`` is a gather (through views) whose index is the segment (target) index."""
+    return any(_same_index(i, segment) for i in index_args(_back(factor, LAYOUT_OPS)))
 
 
 def _dot_product(g: MatchGraph, score: Any, depth: int = 10) -> tuple[Node, Node] | str:
@@ -157,8 +175,8 @@ class SegmentSoftmaxRule:
         if v is None:
             return Anchor(node, self.name, {}, {}, f"{why}: no per-edge values multiplied by its probabilities")
         q, k = factors
-        if segment in index_args(_back(k, LAYOUT_OPS)) and segment not in index_args(_back(q, LAYOUT_OPS)):
-            q, k = k, q  # the query is the factor gathered with the segment (target) index
+        if _gathered_by(k, segment) and not _gathered_by(q, segment):
+            q, k = k, q  # the query is the factor gathered with the segment (target) index, whatever the order
         roles = {"q": q, "k": k, "v": v}
         dims = {r: (token_shape(n) or (0,))[-1] for r, n in roles.items()}
         return Anchor(node, self.name, roles, dims)
