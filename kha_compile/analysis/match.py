@@ -48,7 +48,9 @@ from .layout import (
     shape_of,
     token_shape,
 )
+from .propagate import depthwise_channels, foreign_at, propagated_head_map
 from .rules import Anchor, attention_rules
+from .rules.linear_attention import one_site_per_attention
 from .writes import through_write, written_value
 
 __all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
@@ -139,6 +141,7 @@ def _role_match(
             and nxt_shape
             and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1)
             and cur_shape[-1] != nxt_shape[-1]
+            and nxt_shape[-1] == expect[i + 1]  # the cat builds the head vector (not q|k|v split again later)
         ):
             expect[i] = cur_shape[-1]
             shared = True
@@ -204,6 +207,10 @@ def _role_match(
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if region is not None:  # never came back to its entry's shape: the head map after it is unknown
         stop = region[1]
+    if found is not None and stop and foreign_at(g, path, proj, target):
+        found = None  # read before the stop, from features that are split off before the attention
+    if found is None and (found := propagated_head_map(g, path, proj, target, expect[-1], head_axis)) is not None:
+        shared = False  # q, k, v split apart and joined again (a short convolution over all three)
     if found is None:
         conv = _temporal_conv(path)
         if conv:
@@ -247,7 +254,7 @@ def _temporal_conv(path: list[Node]) -> str:
     for n in path:
         w = n.args[1] if n.op == "call_function" and n.target in _CONV_OPS and len(n.args) > 1 else None
         shape = shape_of(w) if isinstance(w, Node) else None
-        if shape is not None and len(shape) == 3 and shape[-1] > 1:
+        if shape is not None and len(shape) == 3 and shape[-1] > 1 and depthwise_channels(n) is None:
             return (
                 f"the head vector is mixed over the sequence by a convolution ({n.name}, kernel {shape[-1]}) between "
                 "its projection and the attention (compressed convolutional attention, as ZAYA's CCA); a shared "
@@ -489,4 +496,5 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)
+    sites = one_site_per_attention(sites)  # one attention without softmax written as several product pairs
     return group_heads(g, sites)  # heads written as separate modules: one site, one transform per role

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..core.errors import TraceError
+from .opaque_kernels import opaque_kernels
 
 __all__ = [
     "Capture",
@@ -406,7 +407,8 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
-        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+        with opaque_kernels(model):  # linear-attention kernels as one op each (.opaque_kernels)
+            return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
     except Exception as exc:  # torch.export raises many types; keep its reason
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
