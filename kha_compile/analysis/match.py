@@ -402,7 +402,7 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
     out = []
     claimed: set[Node] = set()
     for node in g.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node in claimed:  # an earlier anchor's attention op: no second site
             continue
         for rule in rules:
             anchor = rule.match(g, node)

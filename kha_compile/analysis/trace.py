@@ -29,6 +29,7 @@ __all__ = [
     "index_attrs",
     "module_aliases",
     "no_cache",
+    "real_values",
     "unrun_modules",
 ]
 
@@ -218,6 +219,25 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
     return Capture(ep, groups, seconds, path, aliases=aliases)
+
+
+@contextlib.contextmanager
+def real_values() -> Iterator[None]:
+    """Trace with real tensors beside the fake ones, so a branch on data takes the example inputs' way.
+
+    Example::
+
+        with real_values():
+            cap = capture(block, (x,), {"mask": mask})     # ``if mask.sum() < n`` no longer stops it
+    """
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)  # each branch answered this way is logged as a warning
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        shapes_log.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..graph import MatchGraph
     from ..match import RawSite
 
-__all__ = ["LINEAR_ATTENTION", "LinearAttentionRule", "Product", "one_site_per_attention", "product_of"]
+__all__ = [
+    "LINEAR_ATTENTION",
+    "LinearAttentionRule",
+    "Product",
+    "earlier_product",
+    "one_site_per_attention",
+    "pair_anchor",
+    "product_of",
+]
 
 aten = torch.ops.aten
 
@@ -108,7 +116,7 @@ def product_of(g: MatchGraph, node: Node) -> Product | None:
     return Product(node, a, b, -1, -2, -2, -1)
 
 
-def _earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
+def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
     """The nearest product of activations ``start`` descends from through value ops (masks, decays,
     sums over chunks), not through a softmax, an attention op or a projection."""
     frontier: list[Any] = [start]
@@ -174,26 +182,39 @@ class LinearAttentionRule:
         p = product_of(g, node)
         if p is None:
             return None
-        scores = _earlier_product(g, p.a, node)
+        scores = earlier_product(g, p.a, node)
         if scores is not None:  # (q @ k^T ...) @ v
-            roles = {"q": scores.a, "k": scores.b, "v": p.b}
-            axes = {"q": scores.a_contract, "k": scores.b_contract, "v": p.b_free}
-        else:
-            state = _earlier_product(g, p.b, node)
-            if state is None:
-                return None
-            roles = {"q": p.a, "k": state.a, "v": state.b}  # q @ (k^T @ v ...)
-            axes = {"q": p.a_contract, "k": state.a_free, "v": state.b_free}
-        if _shared_by_heads(g, roles["q"]):
-            return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
-        dims = {}
-        for r, n in roles.items():
-            shape = shape_of(n)
-            if shape is None:
-                return None
-            dims[r] = shape[axes[r]]
-        head_axes = {r: a for r, a in axes.items() if a != -1}
-        return Anchor(p.node, self.name, roles, dims, head_axes=head_axes)
+            return pair_anchor(g, self.name, scores, p, scores_first=True)
+        state = earlier_product(g, p.b, node)
+        if state is None:
+            return None
+        return pair_anchor(g, self.name, state, p, scores_first=False)  # q @ (k^T @ v ...)
+
+
+def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, scores_first: bool) -> Anchor | None:
+    """The anchor of the product pair: scores first (``first`` = q @ k^T, ``second`` = scores @ v) or state
+    first (``first`` = k^T @ v, ``second`` = q @ state); None for a state-space layer (queries shared by heads).
+
+    Example::
+
+        pair_anchor(g, "linear_attention", scores, value_product, scores_first=True)
+    """
+    if scores_first:
+        roles = {"q": first.a, "k": first.b, "v": second.b}
+        axes = {"q": first.a_contract, "k": first.b_contract, "v": second.b_free}
+    else:
+        roles = {"q": second.a, "k": first.a, "v": first.b}
+        axes = {"q": second.a_contract, "k": first.a_free, "v": first.b_free}
+    if _shared_by_heads(g, roles["q"]):
+        return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
+    dims = {}
+    for r, n in roles.items():
+        shape = shape_of(n)
+        if shape is None:
+            return None
+        dims[r] = shape[axes[r]]
+    head_axes = {r: a for r, a in axes.items() if a != -1}
+    return Anchor(second.node, rule, roles, dims, head_axes=head_axes)
 
 
 def _key(site: RawSite) -> tuple:
