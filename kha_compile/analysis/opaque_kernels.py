@@ -97,7 +97,7 @@ def kernel_form(fn: Any) -> str | None:
         except (TypeError, ValueError):
             return None
         if tuple(params) in _QKV_NAMES:
-            return name
+            return f"fla.{name}"
     return None
 
 

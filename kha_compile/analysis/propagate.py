@@ -32,7 +32,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from .layout import INDEX_OPS, LAYOUT_OPS, HeadMap, NotLayout, push_layout, read_head_map, shape_of, varies
+from .layout import (
+    INDEX_OPS,
+    LAYOUT_OPS,
+    HeadMap,
+    NotLayout,
+    constant_index,
+    push_layout,
+    read_head_map,
+    shape_of,
+    varies,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph import MatchGraph, Projection
@@ -121,6 +131,21 @@ def _cat(node: Node, known: dict[Node, Any]) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tensor:
+    base, dim, index, source = node.args[:4]
+    value = known.get(base) if isinstance(base, Node) else None
+    positions = constant_index(index, g.constants)
+    if not isinstance(value, torch.Tensor) or positions is None or not isinstance(dim, int):
+        raise NotLayout("index_copy of an unknown base or at computed positions")
+    written = known.get(source) if isinstance(source, Node) else None
+    if not isinstance(written, torch.Tensor):
+        shape = shape_of(source)
+        if shape is None:
+            raise NotLayout("index_copy of a source without a static shape")
+        written = torch.full(shape, _UNKNOWN, dtype=torch.long)
+    return value.index_copy(dim, positions.long(), written.expand(shape_of(source) or written.shape))
+
+
 def _kha_own(g: MatchGraph, node: Node, ins: list[Node]) -> bool:
     """``node`` is one of KHA's own transforms (a product with a ``.kha.`` parameter): features stay per head."""
     others = [a for a in node.all_input_nodes if a not in ins]
@@ -142,6 +167,8 @@ def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
         return value[pos]
     if node.target is aten.cat.default:
         return _cat(node, known)
+    if node.target is aten.index_copy.default:  # head slots written back in place (KHA's own carriers)
+        return _index_copy(g, node, known)
     first = node.args[0] if node.args else None
     if depthwise_channels(node) is not None and first in known:
         return _through_depthwise(known[first], node)
