@@ -1,4 +1,4 @@
-"""Attention without a softmax, written by hand: linear attention, retention (parallel and recurrent), LSH.
+"""Attention without a softmax call, written by hand: linear attention, retention (parallel, recurrent), LSH.
 
 Each model is two blocks of one form, with separate q, k, v, o linears of ``H`` heads of ``DH``. The
 reference of a KHA model is :class:`reference.Reference` over an untouched copy: forward hooks on the
@@ -25,7 +25,20 @@ D, H = 32, 4
 DH = D // H
 B, S = 2, 40  # more tokens than d_model: the token-side strategy runs
 
-__all__ = ["LSH", "B", "D", "DH", "H", "S", "LinearAttention", "Net", "Retention", "RetentionRecurrent", "layout"]
+__all__ = [
+    "LSH",
+    "B",
+    "D",
+    "DH",
+    "H",
+    "S",
+    "LinearAttention",
+    "LogsumexpSoftmax",
+    "Net",
+    "Retention",
+    "RetentionRecurrent",
+    "layout",
+]
 
 
 def to_heads(y: Tensor) -> Tensor:
@@ -92,6 +105,14 @@ class RetentionRecurrent(Retention):
             state = self.gamma[:, None, None] * state + kv
             out.append(q[:, :, t : t + 1] @ state / DH**0.5)
         return torch.cat(out, dim=2)
+
+
+class LogsumexpSoftmax(Block):
+    """Softmax attention written as ``exp(s - logsumexp(s)) @ v`` (Reformer's local attention): not a linear form."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        s = q @ k.transpose(-2, -1) / DH**0.5
+        return torch.exp(s - torch.logsumexp(s, dim=-1, keepdim=True)) @ v
 
 
 class LSH(Block):

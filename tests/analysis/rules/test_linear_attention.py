@@ -1,7 +1,8 @@
 """Attention without a softmax, hand-written (tests/linear_forms.py): every layer a site, KHA against a per-head reference.
 
 Linear attention (the key-value state first), retention in its parallel form (decay-masked scores)
-and its recurrent form (one state update per token: one site, not one per token), both KHA configs,
+and its recurrent form (one state update per token: one site, not one per token), and a softmax
+written as ``exp(s - logsumexp(s))`` (matched as such, not as a linear form), both KHA configs,
 perturbed, against :class:`reference.Reference` (hooks on an untouched copy's own projections); fold
 and save/load. LSH attention (tokens sorted by a hash of k) is a site skipped with its reason, and
 a state-space layer whose "queries" are shared by every head stays no attention.
@@ -15,10 +16,28 @@ import torch
 import kha_compile as kc
 from helpers import kha_params, perturb
 from kha_compile.core.errors import NoAttentionFoundError
-from linear_forms import DH, LSH, B, D, H, LinearAttention, Net, Retention, RetentionRecurrent, S, layout
+from linear_forms import (
+    DH,
+    LSH,
+    B,
+    D,
+    H,
+    LinearAttention,
+    LogsumexpSoftmax,
+    Net,
+    Retention,
+    RetentionRecurrent,
+    S,
+    layout,
+)
 from reference import Reference
 
-FORMS = {"linear_attention": LinearAttention, "retention": Retention, "retention_recurrent": RetentionRecurrent}
+FORMS = {
+    "linear_attention": LinearAttention,
+    "retention": Retention,
+    "retention_recurrent": RetentionRecurrent,
+    "logsumexp_softmax": LogsumexpSoftmax,  # a softmax written out: matched, named as such, no linear-form note
+}
 CONFIGS = {"linear_qkv": dict(q="linear", k="linear", v="linear"), "mlp_v": dict(v="mlp")}
 
 
@@ -36,10 +55,11 @@ def test_every_layer_is_a_site_with_its_heads(form):
     report = kc.inspect(_net(form), example_args=(_x(),))
     assert [s.name for s in report.sites] == ["blocks.0", "blocks.1"], str(report)  # recurrent: 1 site, not S
     for s in report.sites:
-        assert s.status == "matched" and s.anchor == "linear_attention", str(report)
+        linear = form != "logsumexp_softmax"
+        assert s.status == "matched" and s.anchor == ("linear_attention" if linear else form), str(report)
         assert (s.num_heads, s.num_kv_heads, s.head_dim) == (H, H, DH)
         assert (s.q_proj, s.k_proj, s.v_proj) == tuple(f"{s.name}.{r}" for r in "qkv")
-        assert "attention without softmax" in s.note and "extension of the paper" in s.note
+        assert ("attention without softmax" in s.note and "extension of the paper" in s.note) == linear
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
