@@ -26,17 +26,17 @@ DH = D // H
 B, S = 2, 40  # more tokens than d_model: the token-side strategy runs
 
 __all__ = [
+    "DH",
     "LSH",
     "B",
     "D",
-    "DH",
     "H",
-    "S",
     "LinearAttention",
     "LogsumexpSoftmax",
     "Net",
     "Retention",
     "RetentionRecurrent",
+    "S",
     "layout",
 ]
 

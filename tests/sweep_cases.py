@@ -50,9 +50,9 @@ from sweep_configs import build, model_types
 
 __all__ = [
     "CI_TYPES",
+    "KHA_CONFIGS",
     "NO_QKV",
     "SOFTMAX_FREE_CLASSES",
-    "KHA_CONFIGS",
     "AttentionCounter",
     "linear_sites",
     "logits",

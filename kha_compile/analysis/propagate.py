@@ -77,9 +77,7 @@ _MAX_NUMEL = 1 << 22
 def _conv_groups(node: Node) -> int | None:
     if node.target is aten.conv1d.default:
         groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-    elif node.target is aten.convolution.default:
-        groups = node.args[8] if len(node.args) > 8 else None
-    elif node.target is aten._convolution.default:
+    elif node.target is aten.convolution.default or node.target is aten._convolution.default:
         groups = node.args[8] if len(node.args) > 8 else None
     else:
         return None
@@ -149,9 +147,7 @@ def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tens
 def _kha_own(g: MatchGraph, node: Node, ins: list[Node]) -> bool:
     """``node`` is one of KHA's own transforms (a product with a ``.kha.`` parameter): features stay per head."""
     others = [a for a in node.all_input_nodes if a not in ins]
-    return bool(others) and all(
-        a.op == "placeholder" and ".kha." in f".{g.params.get(a.name, '')}" for a in others
-    )
+    return bool(others) and all(a.op == "placeholder" and ".kha." in f".{g.params.get(a.name, '')}" for a in others)
 
 
 def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
@@ -169,10 +165,10 @@ def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
         return _cat(node, known)
     if node.target is aten.index_copy.default:  # head slots written back in place (KHA's own carriers)
         return _index_copy(g, node, known)
-    first = node.args[0] if node.args else None
-    if depthwise_channels(node) is not None and first in known:
+    first = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+    if first is not None and depthwise_channels(node) is not None and first in known:
         return _through_depthwise(known[first], node)
-    if (node.target in LAYOUT_OPS or node.target in INDEX_OPS) and first in known:
+    if first is not None and (node.target in LAYOUT_OPS or node.target in INDEX_OPS) and first in known:
         return push_layout(known[first], node, first, g.constants)
     if (node.target in _STOP_OPS or node.target in _CONV_OPS) and not _kha_own(g, node, ins):
         raise NotLayout(f"{node.target} mixes features or tokens")

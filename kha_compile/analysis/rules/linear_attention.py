@@ -142,7 +142,12 @@ def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None
     return None
 
 
-_REPEATS = {aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor, aten.repeat.default, aten.expand.default}
+_REPEATS = {
+    aten.repeat_interleave.self_int,
+    aten.repeat_interleave.self_Tensor,
+    aten.repeat.default,
+    aten.expand.default,
+}
 
 
 def _shared_by_heads(g: MatchGraph, q: Node) -> bool:

@@ -30,7 +30,7 @@ from .linear_attention import earlier_product, product_of
 if TYPE_CHECKING:  # pragma: no cover
     from ..graph import MatchGraph
 
-__all__ = ["LSHAttentionRule", "SORT_OPS"]
+__all__ = ["SORT_OPS", "LSHAttentionRule"]
 
 aten = torch.ops.aten
 

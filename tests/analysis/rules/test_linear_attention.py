@@ -88,7 +88,9 @@ def test_kha_on_attention_without_softmax_matches_the_per_head_reference(form, c
 
     if cfg == "linear_qkv":  # folds into the q, k, v linears: the original classes, no KHA left
         kc.fold(model)
-        assert not kha_params(model) and all(type(getattr(b, r)) is torch.nn.Linear for b in model.blocks for r in "qkv")
+        assert not kha_params(model) and all(
+            type(getattr(b, r)) is torch.nn.Linear for b in model.blocks for r in "qkv"
+        )
         with torch.no_grad():
             torch.testing.assert_close(model(x), moved, rtol=1e-5, atol=1e-5)
 
