@@ -8,6 +8,7 @@ attention used to be missing from the report. Traced again with real tensors bes
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -43,7 +44,8 @@ class Masked(nn.Module):
         return x
 
 
-def test_a_branch_on_data_is_traced_with_real_values_and_its_attention_is_a_site():
+@pytest.mark.parametrize("cfg", [dict(q="linear", k="linear", v="linear"), dict(v="mlp")], ids=["linear_qkv", "mlp_v"])
+def test_a_branch_on_data_is_traced_with_real_values_and_its_attention_is_a_site(cfg):
     x = torch.randn(B, S, D, generator=torch.Generator().manual_seed(0))
     mask = torch.ones(B, S)
     torch.manual_seed(0)
@@ -53,10 +55,10 @@ def test_a_branch_on_data_is_traced_with_real_values_and_its_attention_is_a_site
     assert report.trace_path.startswith("per submodule") and not report.untraced
     with torch.no_grad():
         before = model(x, mask)
-    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=(x, mask))
+    kc.apply(model, kc.KHAConfig(**cfg), example_args=(x, mask))
     with torch.no_grad():
         assert torch.equal(model(x, mask), before)
     perturb(model)
-    ref = Reference(Masked(), layout, cfg={}).load(model.state_dict())
+    ref = Reference(Masked(), layout, cfg={}).load(model.state_dict(), expect=cfg)
     with torch.no_grad():
         torch.testing.assert_close(model(x, mask), ref.no_grad(x, mask), rtol=1e-5, atol=1e-5)

@@ -122,7 +122,7 @@ def _tiny(model_type: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("model_type", HYBRIDS)
+@pytest.mark.parametrize("model_type", HYBRIDS, ids=[f"{t}-mlp_v" for t in HYBRIDS])  # q, k linear too
 def test_hybrid_linear_attention_layers_are_sites_and_match_the_reference(model_type):
     model = _tiny(model_type)
     types = model.config.layer_types
