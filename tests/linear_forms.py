@@ -32,6 +32,7 @@ __all__ = [
     "D",
     "H",
     "LinearAttention",
+    "LinearAttentionChannelsFirst",
     "LogsumexpSoftmax",
     "Net",
     "Retention",
@@ -74,6 +75,17 @@ class LinearAttention(Block):
         state = k.transpose(-2, -1) @ v  # (B, H, Dh, Dh)
         norm = q @ k.sum(-2, keepdim=True).transpose(-2, -1)  # (B, H, S, 1)
         return (q @ state) / norm
+
+
+class LinearAttentionChannelsFirst(Block):
+    """ReLU linear attention over heads held channels first, (B, H, D, N), as Sana writes it: the state
+    ``v @ k^T`` (B, H, Dv, Dk) first, then ``state @ q``; normalised by the same products of ones."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k, v = F.relu(q).transpose(-2, -1), F.relu(k), v.transpose(-2, -1)  # (B, H, D, N) but k (B, H, N, D)
+        out = (v @ k) @ q  # (B, H, Dv, N)
+        norm = (torch.ones_like(v[:, :, :1]) @ k) @ q  # (B, H, 1, N)
+        return (out / (norm + 1e-6)).transpose(-2, -1)
 
 
 def _gammas() -> Tensor:

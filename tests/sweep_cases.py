@@ -112,10 +112,13 @@ _CLEAR = {_F.linear, _F.bilinear, _F.conv1d, _F.conv2d, _F.conv3d, torch.addmm, 
 
 
 # attention layers without a softmax call, counted once per forward of their module (class names of the
-# installed transformers): gated delta rule, Kimi's delta attention, MiniMax's lightning attention, YOSO's
-# kernelised attention, Reformer's LSH and local attention (a softmax written as exp(s - logsumexp(s)))
+# module or of its attention processor, in the installed libraries): transformers' gated delta rule, Kimi's
+# delta attention, MiniMax's lightning attention, YOSO's kernelised attention, Reformer's LSH and local
+# attention (a softmax written as exp(s - logsumexp(s))); timm's EfficientViT LiteMLA (ReLU linear attention)
+# and CoaT's factorised attention (softmax over the keys' tokens, then k^T v); diffusers' Sana linear attention
 SOFTMAX_FREE_CLASSES = re.compile(
     r"\w*(GatedDeltaNet|DeltaAttention|LightningAttention)|YosoSelfAttention|LSHSelfAttention|LocalSelfAttention"
+    r"|LiteMLA|FactorAttnConvRelPosEnc|\w*SanaLinearAttnProcessor2_0|SanaMultiscaleAttnProcessor2_0"
 )
 # why a model type's forward has no attention: none of these layers has per-head q, k, v
 NO_QKV = {
@@ -142,8 +145,8 @@ class AttentionCounter(TorchFunctionMode):
     not; a Linear or conv on the way clears the mark, unless it keeps the scores' shape: talking
     heads mix the heads axis with a Linear). A TorchFunctionMode sees every torch call
     however it is spelled; the inner calls of a fused op are not seen. Attention without a softmax call
-    (linear attention, delta rules, LSH) is counted once per forward of a module of a class in
-    :data:`SOFTMAX_FREE_CLASSES`.
+    (linear attention, delta rules, LSH) is counted once per forward of a module whose class, or whose
+    attention processor's class (diffusers), is in :data:`SOFTMAX_FREE_CLASSES`.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -168,7 +171,11 @@ class AttentionCounter(TorchFunctionMode):
         self._hooks = [
             m.register_forward_pre_hook(count)
             for m in self._model.modules()
-            if SOFTMAX_FREE_CLASSES.fullmatch(type(m).__name__)
+            if any(
+                SOFTMAX_FREE_CLASSES.fullmatch(type(c).__name__)
+                for c in (m, getattr(m, "processor", None))
+                if c is not None
+            )
         ]
         return super().__enter__()
 

@@ -196,20 +196,14 @@ class LinearAttentionRule:
         return pair_anchor(g, self.name, state, p, scores_first=False)  # q @ (k^T @ v ...)
 
 
-def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, scores_first: bool) -> Anchor | None:
-    """The anchor of the product pair: scores first (``first`` = q @ k^T, ``second`` = scores @ v) or state
-    first (``first`` = k^T @ v, ``second`` = q @ state); None for a state-space layer (queries shared by heads).
-
-    Example::
-
-        pair_anchor(g, "linear_attention", scores, value_product, scores_first=True)
-    """
-    if scores_first:
-        roles = {"q": first.a, "k": first.b, "v": second.b}
-        axes = {"q": first.a_contract, "k": first.b_contract, "v": second.b_free}
-    else:
-        roles = {"q": second.a, "k": first.a, "v": first.b}
-        axes = {"q": second.a_contract, "k": first.a_free, "v": first.b_free}
+def _reading(
+    g: MatchGraph,
+    rule: str,
+    node: Node,
+    roles: dict[str, Node],
+    axes: dict[str, int],
+    alternative: Anchor | None = None,
+) -> Anchor | None:
     if _shared_by_heads(g, roles["q"]):
         return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
     dims = {}
@@ -219,7 +213,36 @@ def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, sc
             return None
         dims[r] = shape[axes[r]]
     head_axes = {r: a for r, a in axes.items() if a != -1}
-    return Anchor(second.node, rule, roles, dims, head_axes=head_axes)
+    return Anchor(node, rule, roles, dims, head_axes=head_axes, alternative=alternative)
+
+
+def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, scores_first: bool) -> Anchor | None:
+    """The anchor of the product pair: scores first (``first`` = q @ k^T, ``second`` = scores @ v) or state
+    first (``first`` = k^T @ v, ``second`` = q @ state); None for a state-space layer (queries shared by heads).
+
+    ``first @ x`` reads both ways: scores times values, or, channels first, a state times the queries
+    (Sana's ``(v @ k^T) @ q`` over (B, H, D, N)). The second reading is the anchor's ``alternative``: a
+    wrong reading puts a role's head axis on tokens, where no feature of a projection varies, so its walk
+    fails and the match tries the other.
+
+    Example::
+
+        pair_anchor(g, "linear_attention", scores, value_product, scores_first=True)
+    """
+    if not scores_first:
+        roles = {"q": second.a, "k": first.a, "v": first.b}
+        axes = {"q": second.a_contract, "k": first.a_free, "v": first.b_free}
+        return _reading(g, rule, second.node, roles, axes)
+    state = _reading(
+        g,
+        rule,
+        second.node,
+        {"q": second.b, "k": first.b, "v": first.a},
+        {"q": second.b_contract, "k": first.b_free, "v": first.a_free},
+    )
+    roles = {"q": first.a, "k": first.b, "v": second.b}
+    axes = {"q": first.a_contract, "k": first.b_contract, "v": second.b_free}
+    return _reading(g, rule, second.node, roles, axes, alternative=state)
 
 
 def _key(site: RawSite) -> tuple:

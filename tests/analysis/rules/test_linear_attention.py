@@ -23,6 +23,7 @@ from linear_forms import (
     D,
     H,
     LinearAttention,
+    LinearAttentionChannelsFirst,
     LogsumexpSoftmax,
     Net,
     Retention,
@@ -34,6 +35,7 @@ from reference import Reference
 
 FORMS = {
     "linear_attention": LinearAttention,
+    "channels_first": LinearAttentionChannelsFirst,  # (v @ k^T) @ q: the product pair read the other way
     "retention": Retention,
     "retention_recurrent": RetentionRecurrent,
     "logsumexp_softmax": LogsumexpSoftmax,  # a softmax written out: matched, named as such, no linear-form note
