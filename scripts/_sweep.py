@@ -125,7 +125,7 @@ def note(recs: list[dict]) -> str:
         if rec.get("status") == "fail":
             return (rec.get("error") or rec.get("category", ""))[:160]
     for rec in recs:
-        if rec.get("status") == "skipped":
+        if rec.get("status") in ("skipped", "no_attention"):  # no attention: why the forward has none, if known
             return rec.get("reason", "")[:160]
         skipped = [s for s in rec.get("sites", []) if s[1] != "matched"]
         if skipped:

@@ -338,6 +338,58 @@ FORMS += [
     ]
 ]
 
+LINEAR = "tests/analysis/rules/test_linear_attention.py::test_kha_on_attention_without_softmax_matches_the_per_head_reference"
+HYBRID = "tests/integrations/test_hybrid_linear_attention.py"
+FORMS += [
+    Form(name, rule, test, "-", "CPU and GPU")
+    for name, rule, test in [
+        (
+            "linear attention: `phi(q) (phi(k)^T v)` with a feature map (elu + 1) and its normaliser, no softmax",
+            "linear_attention",
+            rf"{LINEAR}\[linear_attention-",
+        ),
+        (
+            "retention, parallel form: decay-masked `(q k^T * D) v`, one decay per head, no softmax",
+            "linear_attention",
+            rf"{LINEAR}\[retention-",
+        ),
+        (
+            "retention, recurrent form: a state `gamma S + k_t^T v_t` per token, `q_t S` (one site, not one per token)",
+            "linear_attention",
+            rf"{LINEAR}\[retention_recurrent-",
+        ),
+        (
+            "a softmax written as `exp(s - logsumexp(s)) @ v` (Reformer's local attention)",
+            "logsumexp_softmax",
+            rf"{LINEAR}\[logsumexp_softmax-",
+        ),
+        (
+            "Qwen3-Next's gated delta rule (transformers' `torch_chunk_gated_delta_rule`, fla's "
+            "`chunk_gated_delta_rule`): fused interleaved `in_proj_qkvz`, two value heads per key head, a "
+            "depthwise short convolution, L2-normalised q and k; cached `generate`",
+            "linear_kernel",
+            rf"{HYBRID}::test_qwen3_next",
+        ),
+        (
+            "the linear-attention layers of Qwen3.5, LaraMini and OLMo hybrid (gated delta rule), Kimi Linear "
+            "and Bailing hybrid (Kimi's delta attention), MiniMax (lightning attention, chunked)",
+            "linear_kernel / linear_attention",
+            rf"{HYBRID}::test_hybrid_linear_attention",
+        ),
+        (
+            "a linear-attention kernel of flash-linear-attention called by a module-level name (`fla.ops...`)",
+            "linear_kernel",
+            r"tests/analysis/test_opaque_kernels.py::test_an_fla_kernel",
+        ),
+        (
+            "a submodule whose forward branches on data (`if mask.sum() < n`, Reformer's LSH layer): traced "
+            "with real values",
+            "sdpa",
+            r"tests/analysis/test_submodules_real_values.py::test_a_branch_on_data",
+        ),
+    ]
+]
+
 FILES = sorted({f.tests.split("::")[0] for f in FORMS})
 
 

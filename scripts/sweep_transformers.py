@@ -38,6 +38,11 @@ def table(data: dict) -> str:
         "(hidden 64, 4 heads of 16, 2+ layers, random weights, fp32, eval; `tests/sweep_configs.py`). "
         + checks("logits", "them"),
         LEGEND,
+        "`linear attn`: sites of attention without a softmax (linear attention, gated delta rule, Kimi's delta "
+        "attention, MiniMax's lightning attention, ...) matched / found, where the model has any: KHA on their q, k, "
+        "v heads after the projection, before the short convolution, normalisation and feature map, an extension "
+        "of the paper (see docs/attention_forms.md). `no attention`: the note says why the forward has none (no "
+        "per-head q, k, v).",
         "The suite's chunk is `tests/integrations/test_transformers_sweep.py` (`KHA_SWEEP=all` runs every type "
         "there too).",
     ]
@@ -48,7 +53,15 @@ def table(data: dict) -> str:
         unit="model type",
         ci=CI_TYPES,
         not_counted="transformers cannot build or run the tiny model this way",
+        extra=_linear_cell,
+        extra_head="linear attn",
     )
+
+
+def _linear_cell(rec: dict) -> str:
+    """Sites of attention without a softmax (gated delta rule, lightning attention, ...): "matched/all", or ''."""
+    matched, total = rec.get("linear_sites") or (0, 0)
+    return f"{matched}/{total}" if total else ""
 
 
 def _type_cases(model_type: str) -> dict:

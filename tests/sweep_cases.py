@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 import kha_compile as kc
 from kha_compile.analysis.inputs import example_inputs
+from kha_compile.analysis.rules.base import is_linear_form
 from kha_compile.core.errors import NoAttentionFoundError
 from kha_compile.passes.apply import analyse, recorded_report
 from reference import Reference, rel_err
@@ -49,7 +51,10 @@ from sweep_configs import build, model_types
 __all__ = [
     "CI_TYPES",
     "KHA_CONFIGS",
+    "NO_QKV",
+    "SOFTMAX_FREE_CLASSES",
     "AttentionCounter",
+    "linear_sites",
     "logits",
     "run_built",
     "run_case",
@@ -106,6 +111,29 @@ _PRODUCTS = {
 _CLEAR = {_F.linear, _F.bilinear, _F.conv1d, _F.conv2d, _F.conv3d, torch.addmm, torch.Tensor.addmm}
 
 
+# attention layers without a softmax call, counted once per forward of their module (class names of the
+# module or of its attention processor, in the installed libraries): transformers' gated delta rule, Kimi's
+# delta attention, MiniMax's lightning attention, YOSO's kernelised attention, Reformer's LSH and local
+# attention (a softmax written as exp(s - logsumexp(s))); timm's EfficientViT LiteMLA (ReLU linear attention)
+# and CoaT's factorised attention (softmax over the keys' tokens, then k^T v); diffusers' Sana linear attention
+SOFTMAX_FREE_CLASSES = re.compile(
+    r"\w*(GatedDeltaNet|DeltaAttention|LightningAttention)|YosoSelfAttention|LSHSelfAttention|LocalSelfAttention"
+    r"|LiteMLA|FactorAttnConvRelPosEnc|\w*SanaLinearAttnProcessor2_0|SanaMultiscaleAttnProcessor2_0"
+)
+# why a model type's forward has no attention: none of these layers has per-head q, k, v
+NO_QKV = {
+    "mamba": "Mamba (state-space) layers: a selective scan over per-channel states; no per-head q, k, v",
+    "falcon_mamba": "Mamba (state-space) layers: a selective scan over per-channel states; no per-head q, k, v",
+    "mamba2": "Mamba-2 layers: B and C (the state-space counterparts of k and q) are shared by every head of a "
+    "group, only x is per head; no per-head q, k, v",
+    "rwkv": "RWKV time mixing: per-channel receptance, key and value with a learned decay, no heads; no per-head "
+    "q, k, v",
+    "fnet": "Fourier transforms mix the tokens; no q, k, v",
+    "mra": "without its CUDA kernel (none on CPU) transformers' MRA attention returns zeros: q, k, v are projected "
+    "but no attention runs",
+}
+
+
 class AttentionCounter(TorchFunctionMode):
     """Count the attention calls of one forward, independently of kha_compile.
 
@@ -116,7 +144,9 @@ class AttentionCounter(TorchFunctionMode):
     parameter itself (``q @ k^T``; a learned query expanded over the batch counts, ``x @ W`` does
     not; a Linear or conv on the way clears the mark, unless it keeps the scores' shape: talking
     heads mix the heads axis with a Linear). A TorchFunctionMode sees every torch call
-    however it is spelled; the inner calls of a fused op are not seen.
+    however it is spelled; the inner calls of a fused op are not seen. Attention without a softmax call
+    (linear attention, delta rules, LSH) is counted once per forward of a module whose class, or whose
+    attention processor's class (diffusers), is in :data:`SOFTMAX_FREE_CLASSES`.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -127,9 +157,33 @@ class AttentionCounter(TorchFunctionMode):
         self._marked: set[int] = set()  # descends from a score product, not yet softmaxed
         self._static: set[int] = set()  # computed from parameters, buffers and constants only
         self._params = {id(p) for p in model.parameters()}
+        self._model = model
+        self._hooks: list[Any] = []
         for t in [*model.parameters(), *model.buffers()]:
             self._static.add(id(t))
             self._keep.append(t)
+
+    def __enter__(self):
+        def count(module: torch.nn.Module, _args: Any) -> None:
+            self.count += 1
+            self.calls.append(type(module).__name__)
+
+        self._hooks = [
+            m.register_forward_pre_hook(count)
+            for m in self._model.modules()
+            if any(
+                SOFTMAX_FREE_CLASSES.fullmatch(type(c).__name__)
+                for c in (m, getattr(m, "processor", None))
+                if c is not None
+            )
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
 
     def _score_product(self, tensors: list[torch.Tensor]) -> bool:
         big = [t for t in tensors if t.dim() >= 3]
@@ -335,6 +389,12 @@ def _prepare(make: Callable[[], tuple[Any, tuple, dict]], rec: dict, output: Cal
     return model, args, kwargs, ref, counter.count
 
 
+def linear_sites(report: Any) -> list[int]:
+    """[matched, all] sites of attention without a softmax (linear attention, delta rules) in ``report``."""
+    mine = [s for s in report.sites if is_linear_form(s.anchor)]
+    return [sum(s.matched for s in mine), len(mine)]
+
+
 def _calls(sites: list) -> int:
     """The attention calls the sites stand for (a site of heads written as modules is one per head)."""
     return sum(s.calls for s in sites)
@@ -358,8 +418,11 @@ def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
         except Exception as inner:
             return _fail(rec, "analysis after a refused apply fails", inner)
         rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
+        rec["linear_sites"] = linear_sites(report)
         if count == 0 and not report.sites:
             rec.update(status="no_attention")
+            if rec.get("model_type") in NO_QKV:
+                rec["reason"] = NO_QKV[rec["model_type"]]
         elif _calls(report.sites) == count and all(s.reason for s in report.sites):
             rec.update(status="skipped", reason=report.sites[0].reason[:300])
         else:
@@ -374,6 +437,7 @@ def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
         return _fail(rec, "inspect or forward after apply fails", exc)
     rec.update(matched=len(report.matched), skipped=len(report.skipped), trace_path=report.trace_path)
     rec["sites"] = [(s.name, s.status, s.reason[:300]) for s in report.sites]
+    rec["linear_sites"] = linear_sites(report)
     if _calls(report.sites) != count:  # more sites than counted calls is fine where the extra ones are skipped
         extra = _calls(report.sites) - count  # (a degenerate softmax(q @ k^T) of rank 2 the count leaves out)
         if extra < 0 or _calls(report.matched) > count:

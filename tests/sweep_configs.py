@@ -122,7 +122,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "switch_transformers": dict(encoder_sparse_step=2, decoder_sparse_step=2, num_sparse_encoder_layers=1,
                                 num_sparse_decoder_layers=1),
     "reformer": dict(attn_layers=["local", "lsh"], axial_pos_shape=[4, 8], axial_pos_embds_dim=[32, 32],
-                     local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2, max_position_embeddings=32),
+                     local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2, max_position_embeddings=32,
+                     hash_seed=0),  # LSH hashes with random rotations: seeded, two forwards agree
     "longformer": dict(attention_window=4),
     "led": dict(attention_window=4),
     "big_bird": dict(block_size=2, num_random_blocks=1),
@@ -130,6 +131,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "perceiver": dict(num_blocks=1, d_latents=64, num_latents=16, qk_channels=None, v_channels=None),
     "squeezebert": dict(embedding_size=HIDDEN),
     "falcon_h1": dict(mamba_d_head=16),
+    "bamba": dict(attn_layer_indices=[1]),  # the default is Mamba-2 only; the type has attention layers too
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0)),

@@ -17,7 +17,6 @@ import kha_compile as kc
 from helpers import kha_params, perturb
 from kha_compile.analysis.rules import RULES, register_rule
 from kha_compile.analysis.rules.base import Anchor
-from kha_compile.core.errors import NoAttentionFoundError
 from kha_compile.handlers import HANDLERS, ProjectionHandler, owner_of, register_handler
 from kha_compile.model.carrier import KHAProjection, attach, detach
 from kha_compile.model.rows import fold_rows
@@ -160,10 +159,12 @@ def _cfg() -> kc.KHAConfig:
     return kc.KHAConfig(q="linear", k="diag_scale", v="diag_scale")  # valid once the kind is registered
 
 
-def test_without_the_rule_nothing_is_found():
+def test_without_the_rule_the_built_in_rule_for_attention_without_softmax_anchors_it():
+    """Sigmoid attention has no softmax: without the toy rule, the built-in ``linear_attention`` rule
+    anchors it; registered, the toy rule (tried first) claims it, and the built-in one adds no second site."""
     block, x = _block_and_input()
-    with pytest.raises(NoAttentionFoundError, match="found no per-head attention to transform in SigmoidBlock"):
-        kc.apply(block, kc.KHAConfig(v="linear"), example_args=(x,))
+    (site,) = kc.inspect(block, example_args=(x,)).sites
+    assert site.anchor == "linear_attention"
 
 
 def test_extensions_apply_train_and_fold_against_a_per_head_reference(extensions):

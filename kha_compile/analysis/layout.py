@@ -223,6 +223,7 @@ IDENTITY_OPS = {
     aten.clone.default,
     aten.alias.default,
     aten.detach.default,
+    aten.detach_.default,  # a lifted constant index (an indexed head slot) is detached in place
     aten.to.dtype,
     aten.to.device,
     aten.to.dtype_layout,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import operator
 import os
 from typing import cast
@@ -50,7 +49,10 @@ from .layout import (
     token_shape,
     varies,
 )
+from .propagate import foreign_at, propagated_head_map
 from .rules import Anchor, attention_rules
+from .rules.linear_attention import one_site_per_attention
+from .same_values import same_values
 from .shared_roles import split_shared
 from .token_mixing import MIXING_PRODUCTS, temporal_conv, through_product
 from .writes import through_write, written_value
@@ -148,6 +150,7 @@ def _role_match(
             and nxt_shape
             and (nxt.args[1] if len(nxt.args) > 1 else 0) in (-1, len(nxt_shape) - 1)
             and cur_shape[-1] != nxt_shape[-1]
+            and nxt_shape[-1] == expect[i + 1]  # the cat builds the head vector (not q|k|v split again later)
         ):
             expect[i] = cur_shape[-1]
             shared = True
@@ -219,6 +222,10 @@ def _role_match(
                 found = hm  # keep the last one: nearest the attention, before repeat_kv mixes copies in
     if region is not None:  # never came back to its entry's shape: the head map after it is unknown
         stop = region[1]
+    if found is not None and stop and foreign_at(g, path, proj, target):
+        found = None  # read before the stop, from features that are split off before the attention
+    if found is None and (found := propagated_head_map(g, path, proj, target, expect[-1], head_axis)) is not None:
+        shared = False  # q, k, v split apart and joined again (a short convolution over all three)
     if elsewhere and found is None:
         return None, f"{role}: the features of {op_words(proj.node)} are not the head vector at the attention", True
     if found is None:
@@ -256,75 +263,6 @@ def _mixes_features(g: MatchGraph, start: Node, end: Node) -> bool:
     """A convolution, product or attention on some path from ``start`` to ``end``: the region between
     them mixes features (or tokens) and is no value region, whatever shape it gives back."""
     return any(n.op == "call_function" and n.target in _MIXING_OPS for n in g.path_nodes(start, end))
-
-
-_SAME_VALUES_MAX_NUMEL = 1 << 22  # index tensors pushed to compare two layout chains (int64: 32 MiB)
-
-
-def _is_plain_layout(node: Node) -> bool:
-    """A layout (or identity) op whose only tensor input is its first argument."""
-    return (
-        node.op == "call_function"
-        and node.target in LAYOUT_OPS
-        and bool(node.args)
-        and isinstance(node.args[0], Node)
-        and not any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values()))
-    )
-
-
-def _layout_chain(node: Node) -> tuple[Node, list[Node]]:
-    """The tensor that ``node`` rearranges and the layout ops from it to ``node``, source first.
-
-    Example::
-
-        _layout_chain(permute_2)     # (x, [permute_2]) for permute_2 = x.permute(1, 0, 2)
-    """
-    chain: list[Node] = []
-    while _is_plain_layout(node):
-        chain.append(node)
-        node = cast(Node, node.args[0])
-    return node, chain[::-1]
-
-
-def _pushed_index(source: Node, chain: list[Node]) -> torch.Tensor | None:
-    """Where each element of the chain's output comes from in ``source`` (its flat index), or None."""
-    shape = shape_of(source)
-    if shape is None or math.prod(shape) > _SAME_VALUES_MAX_NUMEL:
-        return None
-    idx: object = torch.arange(math.prod(shape)).reshape(shape)
-    prev = source
-    try:
-        for node in chain:
-            idx = push_layout(idx, node, prev, {})
-            prev = node
-    except (NotLayout, RuntimeError, IndexError, TypeError, ValueError):
-        return None
-    return idx if isinstance(idx, torch.Tensor) else None
-
-
-def _same_values(a: Node, b: Node) -> bool:
-    """True when ``a`` and ``b`` hold the same tensor: one node, or one source rearranged the same way.
-
-    Self-attention fed ``x.permute(1, 0, 2)`` three times (or a permute and an equal transpose) has
-    three projection inputs that are distinct nodes but one tensor: it is not cross-attention.
-
-    Example::
-
-        _same_values(permute_1, transpose_1)    # True: both are x.permute(1, 0, 2)
-    """
-    if a is b:
-        return True
-    (sa, ca), (sb, cb) = _layout_chain(a), _layout_chain(b)
-    if sa is not sb:
-        return False
-
-    def ops(chain: list[Node]) -> list[tuple[object, str, str]]:
-        return [(n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))) for n in chain]
-
-    if ops(ca) == ops(cb):  # the same ops with the same arguments
-        return True
-    ia, ib = _pushed_index(sa, ca), _pushed_index(sb, cb)
-    return ia is not None and ib is not None and ia.shape == ib.shape and bool(torch.equal(ia, ib))
 
 
 def _latent_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 16) -> bool:
@@ -384,7 +322,7 @@ def _anchors(g: MatchGraph) -> list[Anchor]:
     out = []
     claimed: set[Node] = set()
     for node in g.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node in claimed:  # an earlier anchor's attention op: no second site
             continue
         for rule in rules:
             anchor = rule.match(g, node)
@@ -487,12 +425,13 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             )
             site.cross = (
                 not site.mla
-                and not _same_values(q.projection.input_node, k.projection.input_node)
+                and not same_values(q.projection.input_node, k.projection.input_node)
                 and _query_input(g, q.projection, name) is not _token_source(k.projection.input_node)
             )
         if _DEBUG and _DEBUG in {n.name for n in roles.values()} | {node.name}:
             log.warning("KHA_MATCH_DEBUG %s: roles=%s reason=%s", node.name, list(site.roles), site.reason)
         sites.append(site)
+    sites = one_site_per_attention(sites)  # one attention without softmax written as several product pairs
     sites = group_heads(g, sites)  # heads written as separate modules: one site, one transform per role
     split_shared(g, sites)  # roles reading the same features of one projection: on the attention's arguments
     return sites

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import re
@@ -33,7 +34,7 @@ from ..core.errors import AnalysisError, KHAError, TraceError
 from .graph import module_path_of
 from .heads import is_single_head
 from .match import RawSite, find_sites
-from .trace import Capture, block_signature, capture, index_attrs, no_cache
+from .trace import Capture, block_signature, capture, index_attrs, no_cache, real_values
 
 __all__ = ["capture_submodules", "prefix_sites", "record_calls", "trace_and_match", "why_trace_failed"]
 
@@ -158,8 +159,9 @@ def _may_hold_attention(module: nn.Module) -> bool:
     return not builtin_leaf
 
 
-def _trace_part(module: nn.Module, call: tuple[tuple, dict]) -> tuple[Capture, list[RawSite]]:
-    cap = capture(module, *call)
+def _trace_part(module: nn.Module, call: tuple[tuple, dict], real: bool = False) -> tuple[Capture, list[RawSite]]:
+    with real_values() if real else contextlib.nullcontext():
+        cap = capture(module, *call)
     try:
         raw = find_sites(cap.exported, cap.aliases)
     except KHAError:
@@ -167,6 +169,24 @@ def _trace_part(module: nn.Module, call: tuple[tuple, dict]) -> tuple[Capture, l
     except Exception as exc:  # the match on this graph failed: the caller tries the children instead
         raise AnalysisError(f"match failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     return cap, raw
+
+
+_DATA_DEPENDENT = ("data-dependent", "GuardOnDataDependentSymNode")
+
+
+def _trace_or_why(module: nn.Module, call: tuple[tuple, dict]) -> tuple[Capture, list[RawSite]] | str:
+    """The submodule's capture and sites, or why it could not be traced. A forward that branches on its
+    inputs' values (Reformer's ``if mask.sum() < n``) is traced again with the recorded inputs' real
+    values answering the branch."""
+    try:
+        return _trace_part(module, call)
+    except KHAError as exc:
+        if any(t in f"{exc}\n{exc.__cause__}" for t in _DATA_DEPENDENT):
+            try:
+                return _trace_part(module, call, real=True)
+            except KHAError:
+                pass
+        return why_trace_failed(exc)
 
 
 def capture_submodules(model: nn.Module, args: tuple, kwargs: dict, reason: str) -> tuple[Capture, list[RawSite]]:
@@ -196,11 +216,11 @@ def capture_submodules(model: nn.Module, args: tuple, kwargs: dict, reason: str)
             return
         call = calls.get(id(module))
         if call is not None and path:
-            try:
-                cap, raw = _trace_part(module, call)
-            except KHAError as exc:
-                untraced.append((path, why_trace_failed(exc)))
+            traced = _trace_or_why(module, call)
+            if isinstance(traced, str):
+                untraced.append((path, traced))
             else:
+                cap, raw = traced
                 parts.append((path, cap.exported))
                 groups.update({f"{path}.{k}": v for k, v in cap.groups.items()})
                 sites.extend(prefix_sites(raw, path))

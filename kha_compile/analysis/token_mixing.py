@@ -27,6 +27,7 @@ from torch.fx import Node
 from .describe import op_words
 from .layout import NotLayout, shape_of, token_shape, varies
 from .params import einsum_subscripts
+from .propagate import depthwise_channels
 
 __all__ = ["MIXING_PRODUCTS", "temporal_conv", "through_product"]
 
@@ -58,7 +59,7 @@ def temporal_conv(path: list[Node]) -> str:
     for n in path:
         w = n.args[1] if n.op == "call_function" and n.target in _CONV_OPS and len(n.args) > 1 else None
         shape = shape_of(w) if isinstance(w, Node) else None
-        if shape is not None and len(shape) == 3 and shape[-1] > 1:
+        if shape is not None and len(shape) == 3 and shape[-1] > 1 and depthwise_channels(n) is None:
             return (
                 f"the head vector is mixed over the sequence by a convolution ({op_words(n)}, kernel {shape[-1]}) "
                 "between its projection and the attention (compressed convolutional attention, as ZAYA's CCA); a "

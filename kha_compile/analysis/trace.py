@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core.devices import callers_device
 from ..core.errors import TraceError
+from .opaque_kernels import opaque_kernels
 
 __all__ = [
     "Capture",
@@ -30,6 +31,7 @@ __all__ = [
     "leaves_no_trace",
     "module_aliases",
     "no_cache",
+    "real_values",
     "unrun_modules",
 ]
 
@@ -262,6 +264,25 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, dedupe_blocks: bool) -
 
 
 @contextlib.contextmanager
+def real_values() -> Iterator[None]:
+    """Trace with real tensors beside the fake ones, so a branch on data takes the example inputs' way.
+
+    Example::
+
+        with real_values():
+            cap = capture(block, (x,), {"mask": mask})     # ``if mask.sum() < n`` no longer stops it
+    """
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)  # each branch answered this way is logged as a warning
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        shapes_log.setLevel(level)
+
+
+@contextlib.contextmanager
 def no_cache(model: nn.Module) -> Iterator[None]:
     """``config.use_cache = False`` for the trace (a transformers model whose forward does not name
     ``use_cache`` still reads it from its config; a cache object in the output is no pytree)."""
@@ -448,7 +469,9 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
-        with callers_device():  # the model's own code sees the caller's default device (a meta block)
+        # the model's own code sees the caller's default device (a meta block); linear-attention kernels as
+        # one op each (.opaque_kernels)
+        with callers_device(), opaque_kernels(model):
             return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
     except Exception as exc:  # torch.export raises many types; keep its reason
         raise TraceError(

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
+from ..analysis.rules.base import form_note
 from ..analysis.shared_roles import sharing_words
 from ..analysis.trace import Capture
 from ..core.errors import UnsupportedModelError
@@ -82,7 +83,7 @@ def build_sites(
         handlers = {r: choose_handler(model, _realized(raw.roles[r], first)) for r in "qkv"}
         bad = [why for h, why in handlers.values() if h is None]
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
-        note = MLA_NOTE if kind == "mla" else heads_note(raw)
+        note = MLA_NOTE if kind == "mla" else heads_note(raw) or form_note(raw.anchor)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
             kinds = {r: _foldable(k) for r, k in kinds.items()}
         slots: dict[str, HeadSlot] = {}

@@ -66,8 +66,9 @@ def analyse(model: nn.Module, cfg: KHAConfig | None, example_args: Any, example_
 def _nothing_found(model: nn.Module, report: Report) -> str:
     what = (
         f"kha_compile found no per-head attention to transform in {type(model).__name__}. It looked for "
-        "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention "
-        "and ops registered with kc.register_attention_op in the "
+        "aten.scaled_dot_product_attention, softmax(q @ k^T ...) @ v (matmul, bmm, baddbmm), flex_attention, "
+        "attention without a softmax (linear attention, retention, gated-delta-rule and other linear-attention "
+        "kernels) and ops registered with kc.register_attention_op in the "
         "torch.export graph and walked q, k, v back to their projections."
     )
     unknown = [s for s in report.skipped if s.anchor == "unregistered"]
@@ -85,7 +86,11 @@ def _nothing_found(model: nn.Module, report: Report) -> str:
             "registered:\n" + "\n".join(f"  {s.name}: {s.reason}" for s in unknown)
         )
     if not report.skipped:
-        what += " The graph contains no attention op; check that the example inputs run the attention path."
+        what += (
+            " The graph contains no attention op; check that the example inputs run the attention path. Layers "
+            "with no per-head q, k, v (state-space layers such as Mamba's, RWKV, convolutions, Fourier mixing) "
+            "have nothing for KHA to transform."
+        )
     if report.untraced:
         what += f"\nTraced {report.trace_path}; these submodules could not be traced:\n" + "\n".join(
             f"  {path}: {why}" for path, why in report.untraced[:8]

@@ -1,9 +1,11 @@
 """Attention rules as a registry: each recognises one attention form and returns an :class:`Anchor`.
 
-Built in, by priority (lower is tried first): ``sdpa`` (10, ``aten.scaled_dot_product_attention``
-and fused variants), ``manual_softmax`` (20, ``softmax(q @ k^T ...) @ v``), ``einsum_softmax`` (30),
-``flex_attention`` (40) and ``external`` (90, ops registered with ``kc.register_attention_op``, and
-the hint for unregistered ones). Every file in this package is imported on first use and
+Built in, by priority (lower is tried first): ``lsh_attention`` (5, bucketed attention, declined
+with the reason), ``sdpa`` (10, ``aten.scaled_dot_product_attention`` and fused variants),
+``manual_softmax`` (20, ``softmax(q @ k^T ...) @ v``), ``einsum_softmax`` (30), ``segment_softmax``
+(35), ``flex_attention`` (40), ``linear_kernel`` (45, linear-attention kernels kept whole),
+``logsumexp_softmax`` (55), ``linear_attention`` (60, attention without a softmax) and ``external``
+(90, ops registered with ``kc.register_attention_op``, and the hint for unregistered ones). Every file in this package is imported on first use and
 registers its rule, so a new form is one new file (or any module) that calls
 ``register_rule(MyRule())``; a rule's ``priority`` (default 50) says where it is tried.
 

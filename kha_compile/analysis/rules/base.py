@@ -16,7 +16,7 @@ from torch.fx import Node
 if TYPE_CHECKING:
     from ..graph import MatchGraph
 
-__all__ = ["Anchor", "AttentionRule"]
+__all__ = ["LINEAR_FORMS", "Anchor", "AttentionRule", "form_note", "is_linear_form"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,3 +63,33 @@ class AttentionRule(Protocol):
     name: str
 
     def match(self, g: MatchGraph, node: Node) -> Anchor | None: ...
+
+
+# anchors of attention without a softmax (rules linear_attention and linear_kernel; fla kernels: "fla.<name>")
+LINEAR_FORMS = frozenset({"linear_attention", "gated_delta_rule", "kimi_delta_attention"})
+
+
+def is_linear_form(anchor: str) -> bool:
+    """True for the anchor of an attention without softmax (linear attention, retention, a delta-rule kernel).
+
+    Example::
+
+        is_linear_form(site.anchor)      # True for a Qwen3-Next gated-delta-rule layer
+    """
+    return anchor in LINEAR_FORMS or anchor.startswith("fla.")
+
+
+def form_note(anchor: str) -> str:
+    """The report note of a site of this form ('' for softmax attention).
+
+    Example::
+
+        form_note("gated_delta_rule")     # "attention without softmax (gated_delta_rule): ..."
+    """
+    if not is_linear_form(anchor):
+        return ""
+    return (
+        f"attention without softmax ({anchor}): KHA on the q, k, v heads right after their projection, before "
+        "the short convolution, normalisation and feature map (so linear KHA folds into the projection); an "
+        "extension of the paper, which measured softmax attention only"
+    )

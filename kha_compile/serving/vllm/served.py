@@ -143,8 +143,28 @@ def read_served(directory) -> ServedModel:
             )
         return ServedModel(directory, arch, head_dim, None, {})
     kha_cfg, tensors = read_checkpoint(directory)
+    _refuse_linear_attention(directory, arch, cfg, kha_cfg)
     attentions = _attentions(directory, kha_cfg, tensors, head_dim)
     return ServedModel(directory, arch, head_dim, kha_cfg, attentions)
+
+
+def _refuse_linear_attention(directory: pathlib.Path, arch: str | None, cfg: dict, kha_cfg: KHAConfig) -> None:
+    """A hybrid model with linear-attention layers (Qwen3-Next's gated delta rule, ...) is refused with the reason."""
+    types = cfg.get("layer_types") or []
+    linear = sum(1 for t in types if t == "linear_attention") if isinstance(types, list) else 0
+    if not linear or arch in SUPPORTED_ARCHITECTURES:
+        return
+    foldable = all(get_transform(k).foldable for k in kha_cfg.roles().values())
+    raise ServingError(
+        f"{arch!r} ({str(directory)!r}) has KHA and {linear} of its {len(types)} layers are linear_attention "
+        "layers (a gated delta rule, linear attention or a state-space layer); kha_compile's vLLM plugin does not "
+        "serve it: vLLM runs those layers with its "
+        "own fused in-projection, short convolution and recurrent kernel, which have no place for KHA on the q, "
+        "k, v heads, and the plugin serves only "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}. Run it with transformers (from_pretrained after `import "
+        "kha_compile`, or kc.load_pretrained)"
+        + (", or fold it (kc.fold) and serve the vanilla model with vLLM." if foldable else ".")
+    )
 
 
 def _attentions(

@@ -58,6 +58,18 @@ ARCHS: dict[str, tuple[Callable[..., nn.Module], Callable[..., Any], dict[str, A
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {}),  # QK-norm after the projections
     "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, _MOE),
     "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config, {}),  # not served by the plugin
+    "qwen3_next": (  # a gated-delta-rule layer and a full-attention layer: refused by the plugin, with the reason
+        transformers.Qwen3NextForCausalLM,
+        transformers.Qwen3NextConfig,
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            mlp_only_layers=[0, 1],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+        ),
+    ),
 }
 
 

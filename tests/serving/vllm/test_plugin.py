@@ -48,6 +48,7 @@ CASES = {
         Case("llama-folded", "llama", LINEAR, save="folded", seed=7),  # vanilla: no plugin at all
         Case("qwen3-mix-kv1", "qwen3", MIX, kv=1, seed=8),  # tensor_parallel_size 2: kv head replicated
         Case("olmo2-mix", "olmo2", MIX, seed=9),  # an architecture the plugin does not serve
+        Case("qwen3next-mix", "qwen3_next", MIX, seed=11),  # linear-attention layers: refused with the reason
         Case("llama-hd16", "llama", kc.KHAConfig(v="mlp"), head_dim=16, seed=10),  # vLLM's CPU attention: no
     ]
 }
@@ -152,7 +153,11 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
     )
     jobs = [
         _refuse("no-plugin", models.dir("llama-mlp"), no_plugins=True),  # first: vLLM without kha_compile
-        *(_generate(models, n) for n in CASES if n not in ("qwen3-mix-kv1", "olmo2-mix", "llama-hd16")),
+        *(
+            _generate(models, n)
+            for n in CASES
+            if n not in ("qwen3-mix-kv1", "olmo2-mix", "qwen3next-mix", "llama-hd16")
+        ),
         _generate(models, "llama-kcsave", job="nohint-explicit", llm={"quantization": "kha_compile"})
         | {"model": str(nohint)},
         _generate(models, "llama-mlp", job="old-hint")
@@ -160,6 +165,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
         _generate(models, "llama-mlp", job="broken-v-mlp", **{"break": "v"}),  # MLP-value, run on the output
         _generate(models, "qwen3-mix", job="broken-k-linear", **{"break": "k"}),  # linear, folded at load
         _refuse("olmo2", models.dir("olmo2-mix")),
+        _refuse("qwen3-next", models.dir("qwen3next-mix")),
         _refuse("head-dim-16", models.dir("llama-hd16")),
         _refuse("no-kha-tensors", models.derived("llama-notensors", "llama-mlp", _without_kha_tensors)),
         _refuse("config-disagrees", models.derived("llama-disagree", "llama-mlp", _config_says_linear)),
@@ -192,6 +198,7 @@ def test_plugin_serves_kha_models_like_transformers(models, tmp_path):
     _refused(results, "no-plugin", ("ValueError", "ValidationError"), "Unknown quantization method: kha_compile")
     msg = _refused(results, "olmo2", "ServingError", "Olmo2ForCausalLM", "cannot serve")
     assert all(a in msg for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM")), msg
+    _refused(results, "qwen3-next", "ServingError", "'Qwen3NextForCausalLM'", "linear_attention layers", "no place")
     _refused(results, "head-dim-16", "ServingError", "head size 16", "32, 64")
     _refused(results, "no-kha-tensors", "CheckpointError", "no '.kha.' tensors")
     _refused(results, "config-disagrees", "CheckpointError", "disagree", "v='linear'")

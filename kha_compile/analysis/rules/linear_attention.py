@@ -1,0 +1,282 @@
+"""Rule ``linear_attention``: attention without a softmax, written out (linear attention, retention).
+
+Two products of activations make an attention without a softmax, in either order of evaluation:
+
+* scores first (quadratic, "parallel" form): ``(q @ k^T * D) @ v``, the scores reaching the value
+  product through masks, decays (retention's ``gamma^(i-j)``), normalisers or a pointwise kernel
+  (``exp(s - logsumexp(s))``, ``(1 - acos(s) / pi)^t``), but no softmax (that is ``manual_softmax``);
+* state first (linear, "recurrent" form): ``phi(q) @ (phi(k)^T @ v)``, the state ``k^T v`` reaching
+  the query product through a cumulative sum, a decay or a recurrence over chunks or tokens.
+
+Products are ``matmul``/``bmm`` or two-operand ``einsum`` contracting one axis. The anchor is the
+second product; q, k and v are the operands of the two products, each with the axis that holds its
+head vector (the contracted axis of q; k's contracted axis in the scores, its free axis in the
+state; v's free axis), so the walk back to the projections reads the head maps through the
+feature maps (elu + 1, ...) that sit between. One attention written as several such pairs (per
+chunk, per token in a recurrence, intra- plus inter-chunk) gives one anchor per pair; the match
+keeps one site for all the anchors with the same q, k and v heads (:func:`one_site_per_attention`).
+
+Example::
+
+    rule = LinearAttentionRule()
+    anchor = rule.match(g, node)   # None unless node is the second product of such a pair
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from ..graph import SDPA_OPS, SOFTMAX_OPS
+from ..layout import shape_of
+from . import register_rule
+from .base import Anchor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..graph import MatchGraph
+    from ..match import RawSite
+
+__all__ = [
+    "LINEAR_ATTENTION",
+    "LinearAttentionRule",
+    "Product",
+    "earlier_product",
+    "one_site_per_attention",
+    "pair_anchor",
+    "product_of",
+]
+
+aten = torch.ops.aten
+
+LINEAR_ATTENTION = "linear_attention"
+_PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.einsum.default}
+_DEPTH = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """A product of two tensors contracting one axis: ``a`` (..., free, c) with ``b`` (..., c, free), any order."""
+
+    node: Node
+    a: Node
+    b: Node
+    a_contract: int  # negative axes
+    a_free: int
+    b_contract: int
+    b_free: int
+
+
+def _einsum_axes(eq: str, ranks: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """(a_contract, a_free, b_contract, b_free) of a two-operand einsum contracting one letter, or None."""
+    if "..." in eq or "->" not in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    parts = lhs.split(",")
+    if len(parts) != 2 or tuple(len(p) for p in parts) != ranks:
+        return None
+    a, b = parts
+    contracted = [c for c in a if c in b and c not in out]
+    a_free = [c for c in a if c not in b]
+    b_free = [c for c in b if c not in a]
+    if len(contracted) != 1 or len(a_free) != 1 or len(b_free) != 1 or any(c not in out for c in a_free + b_free):
+        return None
+    c = contracted[0]
+    return a.index(c) - len(a), a.index(a_free[0]) - len(a), b.index(c) - len(b), b.index(b_free[0]) - len(b)
+
+
+def product_of(g: MatchGraph, node: Node) -> Product | None:
+    """``node`` as a product of two activations of rank >= 3 (no parameter, no constant), or None.
+
+    Example::
+
+        product_of(g, matmul_node)      # Product(node, q, kt, -1, -2, -2, -1)
+    """
+    if node.op != "call_function" or node.target not in _PRODUCTS:
+        return None
+    if node.target is aten.einsum.default:
+        eq, ops = node.args[0], node.args[1] if len(node.args) > 1 else None
+        if not isinstance(eq, str) or not isinstance(ops, (list, tuple)) or len(ops) != 2:
+            return None
+        a, b = ops
+    else:
+        a, b = node.args[:2]
+    if not isinstance(a, Node) or not isinstance(b, Node):
+        return None
+    sa, sb = shape_of(a), shape_of(b)
+    if sa is None or sb is None or len(sa) < 3 or len(sb) < 3 or g.is_param(a) or g.is_param(b):
+        return None
+    if node.target is aten.einsum.default:
+        axes = _einsum_axes(node.args[0], (len(sa), len(sb)))  # type: ignore[arg-type]
+        if axes is None:
+            return None
+        return Product(node, a, b, *axes)
+    return Product(node, a, b, -1, -2, -2, -1)
+
+
+def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
+    """The nearest product of activations ``start`` descends from through value ops (masks, decays,
+    sums over chunks), not through a softmax, an attention op or a projection."""
+    frontier: list[Any] = [start]
+    seen: set[Node] = set()
+    for _ in range(_DEPTH):
+        nxt: list[Node] = []
+        for n in frontier:
+            if not isinstance(n, Node) or n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n is not exclude:
+                found = product_of(g, n)
+                if found is not None:
+                    return found
+            if n.target in SOFTMAX_OPS or n.target in SDPA_OPS or n.target in _PRODUCTS:
+                continue
+            if g.as_projection(n) is not None:
+                continue
+            nxt.extend(g.inputs(n))
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
+_REPEATS = {
+    aten.repeat_interleave.self_int,
+    aten.repeat_interleave.self_Tensor,
+    aten.repeat.default,
+    aten.expand.default,
+}
+
+
+def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
+    """The query operand is copied across heads (``repeat_interleave``/``repeat``/``expand`` between its
+    projection and the product): one query for several heads, as the C of a state-space layer (Mamba-2's
+    SSD shares C and B by the heads of a group). Attention never shares its queries."""
+    frontier: list[Any] = [q]
+    seen: set[Node] = set()
+    for _ in range(2 * _DEPTH):
+        nxt: list[Node] = []
+        for n in frontier:
+            if not isinstance(n, Node) or n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n.target in _REPEATS:
+                src, out = shape_of(n.args[0]) if isinstance(n.args[0], Node) else None, shape_of(n)
+                if src is None or out is None or len(src) != len(out):
+                    return True
+                if any(o > i for i, o in zip(src[:-1], out[:-1])):
+                    return True
+            if n.target in _PRODUCTS or g.as_projection(n) is not None:
+                continue
+            nxt.extend(g.inputs(n))
+        if not nxt:
+            return False
+        frontier = nxt
+    return False
+
+
+class LinearAttentionRule:
+    """Anchor on the second product of an attention without softmax (see the module docstring)."""
+
+    name = LINEAR_ATTENTION
+    priority = 60
+
+    def match(self, g: MatchGraph, node: Node) -> Anchor | None:
+        p = product_of(g, node)
+        if p is None:
+            return None
+        scores = earlier_product(g, p.a, node)
+        if scores is not None:  # (q @ k^T ...) @ v
+            return pair_anchor(g, self.name, scores, p, scores_first=True)
+        state = earlier_product(g, p.b, node)
+        if state is None:
+            return None
+        return pair_anchor(g, self.name, state, p, scores_first=False)  # q @ (k^T @ v ...)
+
+
+def _reading(
+    g: MatchGraph,
+    rule: str,
+    node: Node,
+    roles: dict[str, Node],
+    axes: dict[str, int],
+    alternative: Anchor | None = None,
+) -> Anchor | None:
+    if _shared_by_heads(g, roles["q"]):
+        return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
+    dims = {}
+    for r, n in roles.items():
+        shape = shape_of(n)
+        if shape is None:
+            return None
+        dims[r] = shape[axes[r]]
+    head_axes = {r: a for r, a in axes.items() if a != -1}
+    return Anchor(node, rule, roles, dims, head_axes=head_axes, alternative=alternative)
+
+
+def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, scores_first: bool) -> Anchor | None:
+    """The anchor of the product pair: scores first (``first`` = q @ k^T, ``second`` = scores @ v) or state
+    first (``first`` = k^T @ v, ``second`` = q @ state); None for a state-space layer (queries shared by heads).
+
+    ``first @ x`` reads both ways: scores times values, or, channels first, a state times the queries
+    (Sana's ``(v @ k^T) @ q`` over (B, H, D, N)). The second reading is the anchor's ``alternative``: a
+    wrong reading puts a role's head axis on tokens, where no feature of a projection varies, so its walk
+    fails and the match tries the other.
+
+    Example::
+
+        pair_anchor(g, "linear_attention", scores, value_product, scores_first=True)
+    """
+    if not scores_first:
+        roles = {"q": second.a, "k": first.a, "v": first.b}
+        axes = {"q": second.a_contract, "k": first.a_free, "v": first.b_free}
+        return _reading(g, rule, second.node, roles, axes)
+    state = _reading(
+        g,
+        rule,
+        second.node,
+        {"q": second.b, "k": first.b, "v": first.a},
+        {"q": second.b_contract, "k": first.b_free, "v": first.a_free},
+    )
+    roles = {"q": first.a, "k": first.b, "v": second.b}
+    axes = {"q": first.a_contract, "k": first.b_contract, "v": second.b_free}
+    return _reading(g, rule, second.node, roles, axes, alternative=state)
+
+
+def _key(site: RawSite) -> tuple:
+    return tuple(
+        (r, m.projection.node.name, tuple(m.head_map.index.flatten().tolist())) for r, m in sorted(site.roles.items())
+    )
+
+
+def one_site_per_attention(sites: list[RawSite]) -> list[RawSite]:
+    """One site for the anchors of one attention without softmax: those with the same q, k, v heads.
+
+    A site whose roles are incomplete is kept only when no site of the same module matched.
+
+    Example::
+
+        sites = one_site_per_attention(sites)      # the 4 chunk pairs of one retention layer: 1 site
+    """
+    matched_names = {s.name for s in sites if s.anchor == LINEAR_ATTENTION and not s.reason}
+    out: list[RawSite] = []
+    seen: set[tuple] = set()
+    for s in sites:
+        if s.anchor != LINEAR_ATTENTION:
+            out.append(s)
+            continue
+        if s.reason:
+            key: tuple = (s.name, "skipped")
+            if s.name in matched_names:
+                continue
+        else:
+            key = _key(s)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+register_rule(LinearAttentionRule())

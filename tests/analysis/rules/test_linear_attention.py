@@ -1,0 +1,138 @@
+"""Attention without a softmax, hand-written (tests/linear_forms.py): every layer a site, KHA against a per-head reference.
+
+Linear attention (the key-value state first), retention in its parallel form (decay-masked scores)
+and its recurrent form (one state update per token: one site, not one per token), and a softmax
+written as ``exp(s - logsumexp(s))`` (matched as such, not as a linear form), both KHA configs,
+perturbed, against :class:`reference.Reference` (hooks on an untouched copy's own projections); fold
+and save/load. LSH attention (tokens sorted by a hash of k) is a site skipped with its reason, and
+a state-space layer whose "queries" are shared by every head stays no attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kha_compile as kc
+from helpers import kha_params, perturb
+from kha_compile.core.errors import NoAttentionFoundError
+from linear_forms import (
+    DH,
+    LSH,
+    B,
+    D,
+    H,
+    LinearAttention,
+    LinearAttentionChannelsFirst,
+    LogsumexpSoftmax,
+    Net,
+    Retention,
+    RetentionRecurrent,
+    S,
+    layout,
+)
+from reference import Reference
+
+FORMS = {
+    "linear_attention": LinearAttention,
+    "channels_first": LinearAttentionChannelsFirst,  # (v @ k^T) @ q: the product pair read the other way
+    "retention": Retention,
+    "retention_recurrent": RetentionRecurrent,
+    "logsumexp_softmax": LogsumexpSoftmax,  # a softmax written out: matched, named as such, no linear-form note
+}
+CONFIGS = {"linear_qkv": dict(q="linear", k="linear", v="linear"), "mlp_v": dict(v="mlp")}
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(B, S, D, generator=torch.Generator().manual_seed(0))
+
+
+def _net(form: str) -> Net:
+    torch.manual_seed(0)
+    return Net(FORMS[form]).eval()
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_layer_is_a_site_with_its_heads(form):
+    report = kc.inspect(_net(form), example_args=(_x(),))
+    assert [s.name for s in report.sites] == ["blocks.0", "blocks.1"], str(report)  # recurrent: 1 site, not S
+    for s in report.sites:
+        linear = form != "logsumexp_softmax"
+        assert s.status == "matched" and s.anchor == ("linear_attention" if linear else form), str(report)
+        assert (s.num_heads, s.num_kv_heads, s.head_dim) == (H, H, DH)
+        assert (s.q_proj, s.k_proj, s.v_proj) == tuple(f"{s.name}.{r}" for r in "qkv")
+        assert ("attention without softmax" in s.note and "extension of the paper" in s.note) == linear
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("form", list(FORMS))
+def test_kha_on_attention_without_softmax_matches_the_per_head_reference(form, cfg, tmp_path):
+    x = _x()
+    model = _net(form)
+    with torch.no_grad():
+        before = model(x)
+    kc.apply(model, kc.KHAConfig(**CONFIGS[cfg]), example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # identity at init
+    perturb(model)
+    with torch.no_grad():
+        moved = model(x)
+    assert (moved - before).abs().max() > 1e-3
+    ref = Reference(Net(FORMS[form]), layout, cfg={}).load(model.state_dict(), expect=CONFIGS[cfg])
+    torch.testing.assert_close(moved, ref.no_grad(x), rtol=1e-5, atol=1e-5)
+
+    kc.save_pretrained(model, tmp_path / "kha")
+    fresh = _net(form)
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in k})
+    kc.load_pretrained(fresh, tmp_path / "kha", example_args=(x,))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), moved)
+
+    if cfg == "linear_qkv":  # folds into the q, k, v linears: the original classes, no KHA left
+        kc.fold(model)
+        assert not kha_params(model) and all(
+            type(getattr(b, r)) is torch.nn.Linear for b in model.blocks for r in "qkv"
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), moved, rtol=1e-5, atol=1e-5)
+
+
+def test_the_recurrent_and_parallel_forms_are_one_retention():
+    """The hand-written forms agree (so the two tests above check one attention written two ways)."""
+    x, par, rec = _x(), _net("retention"), _net("retention_recurrent")
+    rec.load_state_dict(par.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(rec(x), par(x), rtol=1e-4, atol=1e-5)
+
+
+def test_lsh_attention_is_a_site_skipped_with_its_reason():
+    torch.manual_seed(0)
+    model = Net(LSH).eval()
+    report = kc.inspect(model, example_args=(_x(),))
+    assert [s.name for s in report.sites] == ["blocks.0", "blocks.1"], str(report)
+    for s in report.sites:
+        assert s.status == "skipped" and s.anchor == "lsh_attention"
+        assert "sorted into buckets by a hash of q/k" in s.reason and "not applied to bucketed attention" in s.reason
+    with pytest.raises(NoAttentionFoundError, match="LSH attention"):
+        kc.apply(model, kc.KHAConfig(v="mlp"), example_args=(_x(),))
+    assert not kha_params(model)
+
+
+class SharedQueryScan(torch.nn.Module):
+    """A state-space layer written as products (Mamba-2's SSD): C and B from one projection, the same for
+    every head (``repeat_interleave``), x per head: ``((C B^T) * L) x``. No per-head queries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bc, self.x, self.o = torch.nn.Linear(D, 2 * DH), torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c = self.bc(x).unsqueeze(1).repeat_interleave(H, dim=1).chunk(2, dim=-1)  # (B, H, S, Dh) each
+        v = self.x(x).unflatten(-1, (H, DH)).transpose(1, 2)
+        mask = torch.ones(x.shape[1], x.shape[1]).tril()
+        return x + self.o(((c @ b.transpose(-2, -1) * mask) @ v).transpose(1, 2).flatten(2))
+
+
+def test_a_state_space_layer_whose_queries_every_head_shares_is_no_attention():
+    with pytest.raises(NoAttentionFoundError, match="no per-head q, k, v"):
+        kc.apply(SharedQueryScan(), kc.KHAConfig(v="mlp"), example_args=(_x(),))
