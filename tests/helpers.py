@@ -186,3 +186,26 @@ def training_step_flops(model: nn.Module) -> int:
     with FlopCounterMode(display=False) as fc:
         model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
     return fc.get_total_flops()
+
+
+def small_trainer(model: nn.Module, out, max_steps: int, vocab: int, seq: int):
+    """A transformers Trainer on 16 random sequences: constant learning rate, a checkpoint every 2 steps,
+    CPU, seeded (two runs with the same arguments train the same)."""
+    import transformers
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (16, seq), generator=gen)]
+    args = transformers.TrainingArguments(
+        str(out),
+        max_steps=max_steps,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        logging_strategy="no",
+        lr_scheduler_type="constant",
+    )
+    return transformers.Trainer(model=model, args=args, train_dataset=data)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kha_compile as kc
-from helpers import kha_params
+from helpers import kha_params, small_trainer
 from kha_compile.core.errors import CheckpointError
 from kha_dirs import MLP, logits, plain, save, tokenizer, trained
 
@@ -46,22 +46,7 @@ def test_pipeline_text_generation_by_path(saved):
 
 
 def _trainer(model, out, max_steps: int):
-    gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 40), generator=gen)]
-    args = transformers.TrainingArguments(
-        str(out),
-        max_steps=max_steps,
-        save_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        logging_strategy="no",
-        lr_scheduler_type="constant",
-    )
-    return transformers.Trainer(model=model, args=args, train_dataset=data)
+    return small_trainer(model, out, max_steps, vocab=128, seq=40)
 
 
 def test_trainer_resumes_from_a_checkpoint_loaded_by_path(tmp_path):

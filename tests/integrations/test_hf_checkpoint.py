@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kha_compile as kc
-from helpers import kha_params, perturb, run_python_without_kha
+from helpers import kha_params, perturb, run_python_without_kha, small_trainer
 from kha_compile.cli import tiny
 from kha_compile.store.hf import quantization_entry
 
@@ -120,25 +120,8 @@ def test_hf_dir_without_kha_entry_is_refused(tmp_path):
     assert not kha_params(model)
 
 
-def _trainer(model, out, max_steps):
-    from transformers import Trainer, TrainingArguments
-
-    gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, tiny.VOCAB, (16, 8), generator=gen)]
-    args = TrainingArguments(
-        str(out),
-        max_steps=max_steps,
-        save_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        logging_strategy="no",
-        lr_scheduler_type="constant",
-    )
-    return Trainer(model=model, args=args, train_dataset=data)
+def _trainer(model, out, max_steps: int):
+    return small_trainer(model, out, max_steps, vocab=tiny.VOCAB, seq=8)
 
 
 def test_trainer_resume_matches_uninterrupted_run(tmp_path):
