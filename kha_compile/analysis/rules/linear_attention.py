@@ -177,6 +177,43 @@ def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
     return False
 
 
+_SELECTIONS = {
+    aten.topk.default,
+    aten.sort.default,
+    aten.sort.stable,
+    aten.argsort.default,
+    aten.argsort.stable,
+    aten.argmax.default,
+    aten.argmin.default,
+}
+
+
+def _only_selects(g: MatchGraph, node: Node) -> bool:
+    """The product's result only picks tokens (it reaches a top-k, sort or argmax and nothing else that
+    computes): a scorer such as DeepSeek sparse attention's lightning indexer, ``sum_h w_h relu(q_h k^T)``
+    whose top-k positions mask the real attention. It weighs no values, so it is no attention for KHA."""
+    frontier: list[Node] = [node]
+    seen: set[Node] = set()
+    selects = False
+    for _ in range(_DEPTH):
+        nxt: list[Node] = []
+        for n in frontier:
+            for u in g.users(n):
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.op == "output" or u.target in _PRODUCTS or u.target in SDPA_OPS or g.as_projection(u):
+                    return False  # the result is computed with further: values, an output
+                if u.target in _SELECTIONS:
+                    selects = True
+                    continue
+                nxt.append(u)
+        if not nxt:
+            return selects
+        frontier = nxt
+    return False
+
+
 class LinearAttentionRule:
     """Anchor on the second product of an attention without softmax (see the module docstring)."""
 
@@ -185,7 +222,7 @@ class LinearAttentionRule:
 
     def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         p = product_of(g, node)
-        if p is None:
+        if p is None or _only_selects(g, node):
             return None
         scores = earlier_product(g, p.a, node)
         if scores is not None:  # (q @ k^T ...) @ v

@@ -136,3 +136,33 @@ class SharedQueryScan(torch.nn.Module):
 def test_a_state_space_layer_whose_queries_every_head_shares_is_no_attention():
     with pytest.raises(NoAttentionFoundError, match="no per-head q, k, v"):
         kc.apply(SharedQueryScan(), kc.KHAConfig(v="mlp"), example_args=(_x(),))
+
+
+class IndexedAttention(torch.nn.Module):
+    """Softmax attention over the top-k keys a scorer picks (DeepSeek sparse attention's lightning indexer):
+    ``sum_h w_h relu(q_h k^T)`` is a product pair without a softmax, but it only selects tokens; it weighs
+    no values. One attention site (the SDPA), no linear-attention site for the scorer."""
+
+    def __init__(self, topk: int = 6) -> None:
+        super().__init__()
+        self.topk = topk
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D) for _ in range(4))
+        self.iq, self.ik, self.iw = torch.nn.Linear(D, D), torch.nn.Linear(D, DH), torch.nn.Linear(D, H)
+
+    def heads(self, y: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, H, S, Dh)
+        return y.unflatten(-1, (H, DH)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        iq = self.iq(x).unflatten(-1, (H, DH))  # (B, S, H, Dh)
+        scores = torch.relu(iq @ self.ik(x).transpose(-1, -2).unsqueeze(1))  # (B, S, H, S)
+        index = (self.iw(x).unsqueeze(-2) @ scores).squeeze(-2)  # (B, S, S): heads summed with weights
+        keep = torch.zeros_like(index, dtype=torch.bool).scatter(-1, index.topk(self.topk, dim=-1).indices, True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x)), attn_mask=keep.unsqueeze(1)
+        )
+        return x + self.o(out.transpose(1, 2).flatten(2))
+
+
+def test_a_scorer_that_only_selects_tokens_is_no_site():
+    report = kc.inspect(IndexedAttention(), example_args=(_x(),))
+    assert [(s.status, s.anchor, s.projections("q")) for s in report.sites] == [("matched", "sdpa", ["q"])], str(report)
