@@ -30,9 +30,12 @@ __all__ = [
     "LSH",
     "B",
     "D",
+    "EfficientAttention",
     "H",
     "LinearAttention",
     "LinearAttentionChannelsFirst",
+    "LinearAttentionOnesColumn",
+    "LinearAttentionRotary",
     "LogsumexpSoftmax",
     "Net",
     "Retention",
@@ -86,6 +89,46 @@ class LinearAttentionChannelsFirst(Block):
         out = (v @ k) @ q  # (B, H, Dv, N)
         norm = (torch.ones_like(v[:, :, :1]) @ k) @ q  # (B, H, 1, N)
         return (out / (norm + 1e-6)).transpose(-2, -1)
+
+
+class LinearAttentionOnesColumn(Block):
+    """Sana's ReLU linear attention as diffusers writes it: channels first, a row of ones padded onto the
+    values (``F.pad(v, (0, 0, 0, 1), value=1.0)``) so one product pair gives the output and its normaliser
+    (the padded row), which divides the rest."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k, v = F.relu(q).transpose(-2, -1), F.relu(k), v.transpose(-2, -1)  # (B, H, D, N) but k (B, H, N, D)
+        v = F.pad(v, (0, 0, 0, 1), mode="constant", value=1.0)  # (B, H, Dv + 1, N)
+        out = (v @ k) @ q  # (B, H, Dv + 1, N)
+        return (out[:, :, :-1] / (out[:, :, -1:] + 1e-6)).transpose(-2, -1)
+
+
+class LinearAttentionRotary(Block):
+    """SanaVideo's form: ReLU linear attention, channels first, RoPE on the products' q and k (its cos/sin
+    tables expanded over the batch and heads), the normaliser from the unrotated q and k."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k = F.relu(q), F.relu(k)  # (B, H, N, D)
+        angle = torch.arange(q.shape[-2], dtype=q.dtype)[:, None] * 0.1 ** torch.arange(DH // 2, dtype=q.dtype)
+        cos, sin = (f(angle).repeat_interleave(2, -1).expand(q.shape) for f in (torch.cos, torch.sin))
+
+        def rotate(x: Tensor) -> Tensor:
+            pairs = torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2)
+            return x * cos + pairs * sin
+
+        qr, kr = rotate(q).transpose(-2, -1), rotate(k).transpose(-2, -1)  # (B, H, D, N)
+        z = 1 / (k.sum(-2, keepdim=True) @ q.transpose(-2, -1) + 1e-6)  # (B, H, 1, N)
+        out = (v.transpose(-2, -1) @ kr.transpose(-2, -1)) @ qr  # (B, H, Dv, N)
+        return (out * z).transpose(-2, -1)
+
+
+class EfficientAttention(Block):
+    """Factorised ("efficient") attention, as CoaT and lambda layers write it: softmax of q over its
+    features, softmax of k over the tokens, the key-value state first: ``softmax_d(q) (softmax_n(k)^T v)``."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        state = torch.einsum("bhnk,bhnv->bhkv", k.softmax(dim=2), v)
+        return torch.einsum("bhnk,bhkv->bhnv", q.softmax(dim=-1), state)
 
 
 def _gammas() -> Tensor:

@@ -115,10 +115,11 @@ _CLEAR = {_F.linear, _F.bilinear, _F.conv1d, _F.conv2d, _F.conv3d, torch.addmm, 
 # module or of its attention processor, in the installed libraries): transformers' gated delta rule, Kimi's
 # delta attention, MiniMax's lightning attention, YOSO's kernelised attention, Reformer's LSH and local
 # attention (a softmax written as exp(s - logsumexp(s))); timm's EfficientViT LiteMLA (ReLU linear attention)
-# and CoaT's factorised attention (softmax over the keys' tokens, then k^T v); diffusers' Sana linear attention
+# and CoaT's factorised attention (softmax over the keys' tokens, then k^T v), its lambda layers (the same with
+# a positional lambda); diffusers' Sana linear attention (SanaVideo's with RoPE)
 SOFTMAX_FREE_CLASSES = re.compile(
     r"\w*(GatedDeltaNet|DeltaAttention|LightningAttention)|YosoSelfAttention|LSHSelfAttention|LocalSelfAttention"
-    r"|LiteMLA|FactorAttnConvRelPosEnc|\w*SanaLinearAttnProcessor2_0|SanaMultiscaleAttnProcessor2_0"
+    r"|LiteMLA|FactorAttnConvRelPosEnc|LambdaLayer|\w*SanaLinearAttnProcessor\d_0|SanaMultiscaleAttnProcessor2_0"
 )
 # why a model type's forward has no attention: none of these layers has per-head q, k, v
 NO_QKV = {

@@ -358,8 +358,13 @@ class MatchGraph:
         return all(u is proj or u.target in LAYOUT_OPS for u in n.users)
 
     # -- walks ---------------------------------------------------------------------------
-    def find_projections(self, start: Node, limit: int = 400) -> tuple[list[Projection], str]:
-        """Projections reached walking back from ``start`` (not walking past a projection)."""
+    def find_projections(
+        self, start: Node, limit: int = 400, *, through_softmax: bool = False
+    ) -> tuple[list[Projection], str]:
+        """Projections reached walking back from ``start`` (not walking past a projection).
+
+        A softmax ends the walk (it is another attention's), unless ``through_softmax``: in attention
+        without one, a softmax on q or k is their feature map (CoaT's softmax of k over the tokens)."""
         found: list[Projection] = []
         seen = {start}
         queue = deque([start])
@@ -381,7 +386,7 @@ class MatchGraph:
             elif (
                 node.op != "call_function"
                 or node.target in SDPA_OPS
-                or node.target in SOFTMAX_OPS
+                or (node.target in SOFTMAX_OPS and not through_softmax)
                 or node.target is aten.embedding.default
             ):
                 continue

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.fx import Node
 
 __all__ = [
+    "CONSTANT",
     "IDENTITY_OPS",
     "INDEX_OPS",
     "LAYOUT_OPS",
@@ -143,14 +144,32 @@ def _as_strided(idx: Tensor, node: Node, size: Any, stride: Any, offset: Any = N
     return out
 
 
-def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **_k: Any) -> Tensor:
-    """``F.pad`` on axes the index does not vary along (sequence, spatial): the padded positions hold
+# Index value of a channel that holds a constant, not a feature (``F.pad(v, ..., value=1.0)`` on the head vector).
+CONSTANT = -1
+
+
+def _pad(idx: Tensor, node: Node, pad: list[int], *rest: Any, **kw: Any) -> Tensor:
+    """``F.pad``. On axes the index does not vary along (sequence, spatial) the padded positions hold
     the same features as their neighbours (a zero there stays zero under any KHA transform, which
-    maps 0 to 0). Padding an axis that carries features is not a layout."""
+    maps 0 to 0). On an axis that carries features only a constant pad that appends is a layout: the
+    new channels hold :data:`CONSTANT`, no feature (the ones column ReLU linear attention appends to
+    its values to carry the normaliser: Sana, EfficientViT). A transform at the projection acts before
+    them and leaves them as they are."""
+    mode = rest[0] if rest else kw.get("mode", "constant")
     for i in range(len(pad) // 2):
         axis, before, after = idx.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
         if (before or after) and varies(idx, axis):
-            raise NotLayout("pad on an axis that carries features")
+            if node.target is not aten.constant_pad_nd.default and mode != "constant":
+                raise NotLayout(f"a {mode} pad on an axis that carries features (it copies features)")
+            if before < 0 or after < 0:
+                raise NotLayout("a pad that crops an axis that carries features")
+            shape = list(idx.shape)
+            parts = []
+            for n in (before, after):
+                shape[axis] = n
+                parts.append(torch.full(shape, CONSTANT, dtype=idx.dtype))
+            idx = torch.cat([parts[0], idx, parts[1]], axis)
+            continue
         if before < 0 or after < 0:
             idx = idx.narrow(axis, max(-before, 0), idx.shape[axis] - max(-before, 0) - max(-after, 0))
         edge = idx.narrow(axis, 0, 1)  # every position of this axis holds the same features
@@ -377,10 +396,17 @@ def read_head_map(idx: Tensor) -> HeadMap | None:
     """Read (H, Dh) -> feature off an index tensor whose last axis is the head dimension.
 
     The index must vary along the last axis and along at most one other axis (the head axis,
-    possibly merged with batch as B*H); every other axis is a broadcast copy.
+    possibly merged with batch as B*H); every other axis is a broadcast copy. Channels that hold
+    :data:`CONSTANT` in every head (a ones column padded on) are not part of the map.
     """
     if not isinstance(idx, Tensor) or idx.dim() < 1 or idx.shape[-1] < 1:
         return None
+    const = idx == CONSTANT
+    if bool(const.any()):  # constant channels appended to the head vector: the map is of the others
+        keep = ~const.reshape(-1, idx.shape[-1]).all(0)
+        if bool(const[..., keep].any()) or not bool(keep.any()):
+            return None  # a constant where other heads or tokens have a feature: not one head layout
+        idx = idx[..., keep]
     dh = idx.shape[-1]
     if dh > 1 and not varies(idx, -1):
         return None

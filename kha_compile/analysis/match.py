@@ -51,7 +51,7 @@ from .layout import (
 )
 from .propagate import foreign_at, propagated_head_map
 from .rules import Anchor, attention_rules
-from .rules.linear_attention import one_site_per_attention
+from .rules.linear_attention import LINEAR_ATTENTION, one_site_per_attention
 from .same_values import same_values
 from .shared_roles import split_shared
 from .token_mixing import MIXING_PRODUCTS, temporal_conv, through_product
@@ -349,6 +349,24 @@ def _walk_role(
     return ([m], []) if m is not None else ([], [why])
 
 
+def _softmax_feature_map(anchor: Anchor, piece: Node) -> bool:
+    """In attention without a softmax, the role's operand is a softmax of its heads, seen through layout ops
+    only: a feature map (CoaT's ``k.softmax(dim=2)`` right before ``k^T v``), which the walk may pass. A
+    softmax further back (DeepSeek-V4's Sinkhorn-normalised stream mixing) is not one."""
+    if anchor.rule != LINEAR_ATTENTION:
+        return False
+    node = piece
+    for _ in range(16):
+        if node.op != "call_function":
+            return False
+        if node.target in SOFTMAX_OPS:
+            return True
+        if node.target not in LAYOUT_OPS or not node.args or not isinstance(node.args[0], Node):
+            return False
+        node = node.args[0]
+    return False
+
+
 def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
     """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail."""
     problems: list[str] = []
@@ -359,7 +377,7 @@ def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
         matches: list[RoleMatch] = []
         whys: list[str] = []
         for piece, axis in targets:
-            projs, why = g.find_projections(piece)
+            projs, why = g.find_projections(piece, through_softmax=_softmax_feature_map(anchor, piece))
             if not projs:
                 at = f"{op_words(piece)} [{piece.name}]"
                 whys.append(f"{role}: no projection found walking back from {at}" + (f" ({why})" if why else ""))

@@ -115,7 +115,8 @@ def test_export_onnx_and_the_tensorrt_onnx_step(trained, tmp_path):
         ["logits"], {"input_ids": IDS.numpy(), "attention_mask": torch.ones_like(IDS).numpy()}
     )[0]
     torch.testing.assert_close(torch.from_numpy(got), logits, rtol=1e-4, atol=1e-5)
-    with pytest.raises(BackendUnavailableError, match="tensorrt"):  # TensorRT is not installable here: the step before it ran
+    # TensorRT is not installable here: the step before it ran
+    with pytest.raises(BackendUnavailableError, match="tensorrt"):
         kc.export_tensorrt(path, tmp_path / "m.engine")
     assert not (tmp_path / "m.engine").exists()
     _left_as_it_was(trained, before)

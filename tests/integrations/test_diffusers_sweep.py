@@ -30,6 +30,13 @@ def test_processor(name):
     assert all(r["reference_rel_err"] <= 1e-4 for r in recs), recs
 
 
+def test_sanas_linear_attention_processor_is_a_site():
+    """ReLU linear attention with a ones row padded onto the values (its per-head reference is
+    tests/analysis/rules/test_linear_attention.py's ``ones_column`` form)."""
+    recs = sdp.run_processor("SanaLinearAttnProcessor2_0")
+    assert [(r["status"], r["sites"]) for r in recs] == [("pass", [("matmul_1", "matched", "")])] * len(KHA_CONFIGS)
+
+
 def test_every_model_class_has_a_tiny_config_or_is_named_as_missing():
     from sweep_diffusers_specs import SPECS
 

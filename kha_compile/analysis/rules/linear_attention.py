@@ -153,7 +153,8 @@ _REPEATS = {
 def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
     """The query operand is copied across heads (``repeat_interleave``/``repeat``/``expand`` between its
     projection and the product): one query for several heads, as the C of a state-space layer (Mamba-2's
-    SSD shares C and B by the heads of a group). Attention never shares its queries."""
+    SSD shares C and B by the heads of a group). Attention never shares its queries. Copies of what no
+    projection computes (RoPE's cos/sin tables expanded over the heads: SanaVideo) do not count."""
     frontier: list[Any] = [q]
     seen: set[Node] = set()
     for _ in range(2 * _DEPTH):
@@ -162,8 +163,8 @@ def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
             if not isinstance(n, Node) or n in seen or n.op != "call_function":
                 continue
             seen.add(n)
-            if n.target in _REPEATS:
-                src, out = shape_of(n.args[0]) if isinstance(n.args[0], Node) else None, shape_of(n)
+            if n.target in _REPEATS and isinstance(n.args[0], Node) and g.find_projections(n.args[0])[0]:
+                src, out = shape_of(n.args[0]), shape_of(n)  # a copy of activations, not of a RoPE table
                 if src is None or out is None or len(src) != len(out):
                     return True
                 if any(o > i for i, o in zip(src[:-1], out[:-1])):

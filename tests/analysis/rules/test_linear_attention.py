@@ -21,9 +21,12 @@ from linear_forms import (
     LSH,
     B,
     D,
+    EfficientAttention,
     H,
     LinearAttention,
     LinearAttentionChannelsFirst,
+    LinearAttentionOnesColumn,
+    LinearAttentionRotary,
     LogsumexpSoftmax,
     Net,
     Retention,
@@ -36,6 +39,9 @@ from reference import Reference
 FORMS = {
     "linear_attention": LinearAttention,
     "channels_first": LinearAttentionChannelsFirst,  # (v @ k^T) @ q: the product pair read the other way
+    "ones_column": LinearAttentionOnesColumn,  # Sana: a constant row padded onto the values' head vector
+    "rotary": LinearAttentionRotary,  # SanaVideo: RoPE tables expanded over the heads (no shared queries)
+    "efficient": EfficientAttention,  # CoaT, lambda layers: softmax of k over the tokens, of q over its features
     "retention": Retention,
     "retention_recurrent": RetentionRecurrent,
     "logsumexp_softmax": LogsumexpSoftmax,  # a softmax written out: matched, named as such, no linear-form note
