@@ -10,7 +10,8 @@ model's ``quantization_config`` to the same entry under ``"quant_method": "kha_c
                     "architecture": "LlamaForCausalLM", "model_type": "llama", "sites": {...}},
     "quantization_config": {"quant_method": "kha_compile", "version": 3, "q": "linear", ...}
 
-``model.save_pretrained(d)`` writes both into ``d/config.json``, next to the KHA tensors in
+The first record gives the model its own copy of the config object, so another model built from the same
+object stays vanilla in its ``config.json``. ``model.save_pretrained(d)`` writes both into ``d/config.json``, next to the KHA tensors in
 ``model.safetensors`` (or its shards). Importing kha_compile registers ``"kha_compile"`` as a
 quantization method with transformers (:mod:`kha_compile.integrations.hf_quantizer`), so
 ``AutoModelForCausalLM.from_pretrained(d)`` applies KHA before the weights load and loads its
@@ -31,6 +32,7 @@ transformers directory that ``kc.save_pretrained`` saves KHA into.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import pathlib
@@ -94,6 +96,17 @@ def _hf_config(model: nn.Module) -> object | None:
     return cfg if transformers is not None and isinstance(cfg, transformers.PretrainedConfig) else None
 
 
+def _own_config(model: nn.Module, cfg: object) -> object:
+    """Give ``model`` a copy of its transformers config before KHA is first recorded in it, so that other
+    models built from the same config object (``LlamaForCausalLM(cfg)`` twice) do not claim KHA they lack.
+    Every module of ``model`` that holds ``cfg`` itself (the inner ``LlamaModel``) gets the copy."""
+    own = copy.deepcopy(cfg)
+    for m in model.modules():
+        if m.__dict__.get("config") is cfg:
+            m.config = own
+    return own
+
+
 def quantization_entry(entry: dict) -> dict:
     """The ``quantization_config`` that records the KHA ``entry``: ``quant_method`` and the entry beside it.
 
@@ -153,6 +166,8 @@ def record_config(model: nn.Module) -> None:
         return
     hint = getattr(cfg, HINT_KEY, None)
     if kha_modules(model):
+        if not hasattr(cfg, CONFIG_KEY):
+            cfg = _own_config(model, cfg)
         entry = dict(config_of(model), **identity_of(model))
         setattr(cfg, CONFIG_KEY, entry)
         if hint is None or is_kha_quantization(hint):  # a real quantization config stays as it is

@@ -62,3 +62,21 @@ def test_no_transformers_config_no_change(tmp_path):
     kc.apply(model, kc.KHAConfig(v="mlp"))
     kc.save_pretrained(model, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["kha_config.json", "kha_model.safetensors"]
+
+
+def test_a_config_shared_with_another_model_records_kha_only_in_the_model_that_has_it(tmp_path):
+    """kc.apply gives the model its own copy of a config object that another model was built from too:
+    the other model's save_pretrained writes a vanilla config.json, which loads without KHA."""
+    import transformers
+
+    cfg = tiny.make("tiny-llama").config
+    cfg = type(cfg)(**{k: v for k, v in cfg.to_dict().items() if k not in ("kha_compile", "quantization_config")})
+    with_kha, plain = transformers.LlamaForCausalLM(cfg), transformers.LlamaForCausalLM(cfg)
+    kc.apply(with_kha, kc.KHAConfig(v="mlp"))
+    assert with_kha.config.kha_compile["v"] == "mlp" and with_kha.model.config is with_kha.config
+    assert not hasattr(cfg, "kha_compile") and getattr(cfg, "quantization_config", None) is None
+    plain.save_pretrained(tmp_path / "plain")
+    data = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "kha_compile" not in data and "quantization_config" not in data
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    assert not any(".kha." in n for n, _ in loaded.named_parameters())
