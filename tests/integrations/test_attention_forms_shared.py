@@ -54,14 +54,20 @@ def test_form_matches_a_per_head_reference(form, v):
     check_form(cls, args, v, sites=sites, qk=True, kept=kept, reference=lambda m: m.reference(*args))
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_save_and_reload(form, tmp_path):
+def _perturbed(form: str) -> tuple:
+    """(class, model with linear q, k and MLP-value v KHA, perturbed, its inputs)."""
     cls, inputs, _, _ = FORMS[form]
     args = inputs()
     torch.manual_seed(0)
     model = cls()
     kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=args)
     perturb(model)
+    return cls, model, args
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_save_and_reload(form, tmp_path):
+    cls, model, args = _perturbed(form)
     kc.save_pretrained(model, tmp_path)
     again = cls()
     again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in f".{k}"})
@@ -76,12 +82,7 @@ def test_training_steps_keep_the_model_equal_to_its_reference(form):
     """Three fused AdamW steps on every parameter (projections and KHA, MLP-value on v): every KHA
     weight moves (its gradient reaches it, on the attention arguments too), and the trained model
     still equals its per-head reference read from the trained weights."""
-    cls, inputs, _, _ = FORMS[form]
-    args = inputs()
-    torch.manual_seed(0)
-    model = cls()
-    kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"), example_args=args)
-    perturb(model)
+    _, model, args = _perturbed(form)
     before = {n: p.detach().clone() for n, p in kha_params(model).items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # updates without bumping _version
     for _ in range(3):

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,30 +117,46 @@ def product_of(g: MatchGraph, node: Node) -> Product | None:
     return Product(node, a, b, -1, -2, -2, -1)
 
 
-def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
-    """The nearest product of activations ``start`` descends from through value ops (masks, decays,
-    sums over chunks), not through a softmax, an attention op or a projection."""
+def _walk_back(g: MatchGraph, start: Node, visit: Callable[[Node], Any], depth: int) -> Any:
+    """Breadth-first back from ``start`` over call_function nodes, ``depth`` levels at most: ``visit(n)``
+    returns a result (the walk ends with it), ``_STOP`` (not past ``n``) or None (on to its inputs).
+    Returns the first result, or None."""
     frontier: list[Any] = [start]
     seen: set[Node] = set()
-    for _ in range(_DEPTH):
+    for _ in range(depth):
         nxt: list[Node] = []
         for n in frontier:
             if not isinstance(n, Node) or n in seen or n.op != "call_function":
                 continue
             seen.add(n)
-            if n is not exclude:
-                found = product_of(g, n)
-                if found is not None:
-                    return found
-            if n.target in SOFTMAX_OPS or n.target in SDPA_OPS or n.target in _PRODUCTS:
+            found = visit(n)
+            if found is _STOP:
                 continue
-            if g.as_projection(n) is not None:
-                continue
+            if found is not None:
+                return found
             nxt.extend(g.inputs(n))
         if not nxt:
             return None
         frontier = nxt
     return None
+
+
+_STOP = object()
+
+
+def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
+    """The nearest product of activations ``start`` descends from through value ops (masks, decays,
+    sums over chunks), not through a softmax, an attention op or a projection."""
+
+    def visit(n: Node) -> Any:
+        found = product_of(g, n) if n is not exclude else None
+        if found is not None:
+            return found
+        if n.target in SOFTMAX_OPS or n.target in SDPA_OPS or n.target in _PRODUCTS or g.as_projection(n):
+            return _STOP
+        return None
+
+    return _walk_back(g, start, visit, _DEPTH)
 
 
 _REPEATS = {
@@ -155,27 +172,17 @@ def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
     projection and the product): one query for several heads, as the C of a state-space layer (Mamba-2's
     SSD shares C and B by the heads of a group). Attention never shares its queries. Copies of what no
     projection computes (RoPE's cos/sin tables expanded over the heads: SanaVideo) do not count."""
-    frontier: list[Any] = [q]
-    seen: set[Node] = set()
-    for _ in range(2 * _DEPTH):
-        nxt: list[Node] = []
-        for n in frontier:
-            if not isinstance(n, Node) or n in seen or n.op != "call_function":
-                continue
-            seen.add(n)
-            if n.target in _REPEATS and isinstance(n.args[0], Node) and g.find_projections(n.args[0])[0]:
-                src, out = shape_of(n.args[0]), shape_of(n)  # a copy of activations, not of a RoPE table
-                if src is None or out is None or len(src) != len(out):
-                    return True
-                if any(o > i for i, o in zip(src[:-1], out[:-1])):
-                    return True
-            if n.target in _PRODUCTS or g.as_projection(n) is not None:
-                continue
-            nxt.extend(g.inputs(n))
-        if not nxt:
-            return False
-        frontier = nxt
-    return False
+
+    def visit(n: Node) -> Any:
+        if n.target in _REPEATS and isinstance(n.args[0], Node) and g.find_projections(n.args[0])[0]:
+            src, out = shape_of(n.args[0]), shape_of(n)  # a copy of activations, not of a RoPE table
+            if src is None or out is None or len(src) != len(out) or any(o > i for i, o in zip(src[:-1], out[:-1])):
+                return True
+        if n.target in _PRODUCTS or g.as_projection(n) is not None:
+            return _STOP
+        return None
+
+    return bool(_walk_back(g, q, visit, 2 * _DEPTH))
 
 
 _SELECTIONS = {
