@@ -103,7 +103,7 @@ def _own_config(model: nn.Module, cfg: object) -> object:
     own = copy.deepcopy(cfg)
     for m in model.modules():
         if m.__dict__.get("config") is cfg:
-            m.config = own
+            setattr(m, "config", own)  # noqa: B010 (a module attribute mypy types as Tensor | Module)
     return own
 
 
