@@ -367,6 +367,12 @@ def _softmax_feature_map(anchor: Anchor, piece: Node) -> bool:
     return False
 
 
+def _no_projected_scores(problems: list[str]) -> bool:
+    """Neither q nor k of a product pair reaches a projection: two products of other activations (DeepSeek-V4's
+    hyper-connections mix residual streams with weights normalised by Sinkhorn), not attention over tokens."""
+    return all(any(p.startswith(f"{r}: no projection found") for p in problems) for r in "qk")
+
+
 def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
     """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail."""
     problems: list[str] = []
@@ -431,6 +437,9 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 site, anchor, roles = other, alt, alt.roles
                 site.targets = {r: (n, alt.head_axes.get(r, -1)) for r, n in roles.items()}
                 problems = []
+        if rule == LINEAR_ATTENTION and _no_projected_scores(problems):
+            log.debug("%s: a product pair whose q and k come from no projection: no attention", name)
+            continue
         if problems:
             site.reason = "; ".join(problems)
         if set(site.roles) == {"q", "k", "v"}:

@@ -172,3 +172,45 @@ class IndexedAttention(torch.nn.Module):
 def test_a_scorer_that_only_selects_tokens_is_no_site():
     report = kc.inspect(IndexedAttention(), example_args=(_x(),))
     assert [(s.status, s.anchor, s.projections("q")) for s in report.sites] == [("matched", "sdpa", ["q"])], str(report)
+
+
+class StreamMixingLayer(torch.nn.Module):
+    """Residual streams mixed by hyper-connections, as DeepSeek-V4's layers do: ``n`` copies of the hidden
+    state, mixed around the attention and again around the MLP by ``comb^T @ h``, comb a softmax of a
+    projection normalised further (a Sinkhorn step). The two mixings of a layer are a product pair without a
+    softmax between them, but no attention over tokens."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o, self.mlp = (torch.nn.Linear(D, D) for _ in range(5))
+        self.attn_hc, self.mlp_hc = (torch.nn.Linear(n * D, n * n) for _ in range(2))
+
+    @staticmethod
+    def mixed(hc: torch.nn.Module, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # h: (B, S, n, D)
+        comb = torch.softmax(hc(h.flatten(-2)).unflatten(-1, (h.shape[-2], h.shape[-2])), dim=-1)
+        comb = comb / comb.sum(dim=-2, keepdim=True)  # one Sinkhorn step
+        return comb.transpose(-1, -2) @ h + out.unsqueeze(-2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        heads = [p(h.mean(-2)).unflatten(-1, (H, DH)).transpose(1, 2) for p in (self.q, self.k, self.v)]
+        out = self.o(torch.nn.functional.scaled_dot_product_attention(*heads).transpose(1, 2).flatten(2))
+        h = self.mixed(self.attn_hc, h, out)
+        return self.mixed(self.mlp_hc, h, torch.relu(self.mlp(h.mean(-2))))
+
+
+class StreamMixing(torch.nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.n = n
+        self.layers = torch.nn.ModuleList(StreamMixingLayer(n) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.unsqueeze(-2).expand(-1, -1, self.n, -1)
+        for layer in self.layers:
+            h = layer(h)
+        return h.mean(-2)
+
+
+def test_products_of_stream_mixing_weights_are_no_site():
+    report = kc.inspect(StreamMixing(), example_args=(_x(),))
+    assert [(s.anchor, s.status) for s in report.sites] == [("sdpa", "matched")] * 2, str(report)
