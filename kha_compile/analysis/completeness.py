@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from .graph import SDPA_OPS, SOFTMAX_OPS
+from .graph import SDPA_OPS, SOFTMAX_OPS, STOP
 from .layout import shape_of
 from .rules import Anchor
 
@@ -58,30 +58,18 @@ def score_product(g: MatchGraph, softmax: Node, depth: int = 48) -> Node | None:
 
         score_product(g, softmax_node)     # the q @ k^T matmul node
     """
-    frontier: list[Any] = [softmax.args[0]]
-    seen: set[Node] = set()
-    for _ in range(depth):
-        nxt: list[Node] = []
-        for n in frontier:
-            if not isinstance(n, Node) or n in seen or n.op != "call_function":
-                continue
-            seen.add(n)
-            if g.as_projection(n) is not None or n.target in SDPA_OPS or n.target in SOFTMAX_OPS:
-                continue  # a projection (x @ W) or another attention: not these scores
-            if n.target in PRODUCT_OPS:
-                ops = [o for o in _operands(n) if isinstance(o, Node)]
-                if (
-                    len(ops) == 2
-                    and all(len(shape_of(o) or ()) >= 3 for o in ops)
-                    and not all(g.is_param(o) for o in ops)
-                ):
-                    return n
-                continue
-            nxt.extend(n.all_input_nodes)
-        if not nxt:
-            return None
-        frontier = nxt
-    return None
+
+    def visit(n: Node) -> Any:
+        if g.as_projection(n) is not None or n.target in SDPA_OPS or n.target in SOFTMAX_OPS:
+            return STOP  # a projection (x @ W) or another attention: not these scores
+        if n.target in PRODUCT_OPS:
+            ops = [o for o in _operands(n) if isinstance(o, Node)]
+            if len(ops) == 2 and all(len(shape_of(o) or ()) >= 3 for o in ops) and not all(g.is_param(o) for o in ops):
+                return n
+            return STOP
+        return None
+
+    return g.walk_back(softmax.args[0], visit, depth, values_only=False)
 
 
 def _why(g: MatchGraph, softmax: Node, product: Node) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "PROJ_OPS",
     "SDPA_OPS",
     "SOFTMAX_OPS",
+    "STOP",
     "TRIG_OPS",
     "MatchGraph",
     "Projection",
@@ -58,6 +60,7 @@ SDPA_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
 }
 SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+STOP = object()  # what a visit of MatchGraph.walk_back returns for "not past this node"
 PROJ_OPS = PROJ_TARGETS  # linear, addmm, mm, matmul, einsum, tensordot
 NORM_OPS = {
     aten.rsqrt.default,
@@ -358,6 +361,35 @@ class MatchGraph:
         return all(u is proj or u.target in LAYOUT_OPS for u in n.users)
 
     # -- walks ---------------------------------------------------------------------------
+    def walk_back(self, start: Any, visit: Callable[[Node], Any], depth: int, *, values_only: bool = True) -> Any:
+        """Breadth-first back from ``start`` over call_function nodes, ``depth`` levels at most.
+
+        ``visit(n)`` returns a result (the walk ends with it), :data:`STOP` (not past ``n``) or None (on to
+        its inputs: those whose values flow into it, or every input node unless ``values_only``).
+
+        Example::
+
+            g.walk_back(q, lambda n: n if n.target in SOFTMAX_OPS else None, 12)   # the nearest softmax, or None
+        """
+        frontier: list[Any] = [start]
+        seen: set[Node] = set()
+        for _ in range(depth):
+            nxt: list[Node] = []
+            for n in frontier:
+                if not isinstance(n, Node) or n in seen or n.op != "call_function":
+                    continue
+                seen.add(n)
+                found = visit(n)
+                if found is STOP:
+                    continue
+                if found is not None:
+                    return found
+                nxt.extend(self.inputs(n) if values_only else n.all_input_nodes)
+            if not nxt:
+                return None
+            frontier = nxt
+        return None
+
     def find_projections(
         self, start: Node, limit: int = 400, *, through_softmax: bool = False
     ) -> tuple[list[Projection], str]:

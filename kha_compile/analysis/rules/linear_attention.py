@@ -25,13 +25,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import Node
 
-from ..graph import SDPA_OPS, SOFTMAX_OPS
+from ..graph import SDPA_OPS, SOFTMAX_OPS, STOP
 from ..layout import shape_of
 from . import register_rule
 from .base import Anchor
@@ -117,33 +116,6 @@ def product_of(g: MatchGraph, node: Node) -> Product | None:
     return Product(node, a, b, -1, -2, -2, -1)
 
 
-def _walk_back(g: MatchGraph, start: Node, visit: Callable[[Node], Any], depth: int) -> Any:
-    """Breadth-first back from ``start`` over call_function nodes, ``depth`` levels at most: ``visit(n)``
-    returns a result (the walk ends with it), ``_STOP`` (not past ``n``) or None (on to its inputs).
-    Returns the first result, or None."""
-    frontier: list[Any] = [start]
-    seen: set[Node] = set()
-    for _ in range(depth):
-        nxt: list[Node] = []
-        for n in frontier:
-            if not isinstance(n, Node) or n in seen or n.op != "call_function":
-                continue
-            seen.add(n)
-            found = visit(n)
-            if found is _STOP:
-                continue
-            if found is not None:
-                return found
-            nxt.extend(g.inputs(n))
-        if not nxt:
-            return None
-        frontier = nxt
-    return None
-
-
-_STOP = object()
-
-
 def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
     """The nearest product of activations ``start`` descends from through value ops (masks, decays,
     sums over chunks), not through a softmax, an attention op or a projection."""
@@ -153,10 +125,10 @@ def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None
         if found is not None:
             return found
         if n.target in SOFTMAX_OPS or n.target in SDPA_OPS or n.target in _PRODUCTS or g.as_projection(n):
-            return _STOP
+            return STOP
         return None
 
-    return _walk_back(g, start, visit, _DEPTH)
+    return g.walk_back(start, visit, _DEPTH)
 
 
 _REPEATS = {
@@ -179,10 +151,10 @@ def _shared_by_heads(g: MatchGraph, q: Node) -> bool:
             if src is None or out is None or len(src) != len(out) or any(o > i for i, o in zip(src[:-1], out[:-1])):
                 return True
         if n.target in _PRODUCTS or g.as_projection(n) is not None:
-            return _STOP
+            return STOP
         return None
 
-    return bool(_walk_back(g, q, visit, 2 * _DEPTH))
+    return bool(g.walk_back(q, visit, 2 * _DEPTH))
 
 
 _SELECTIONS = {
