@@ -367,14 +367,10 @@ def _softmax_feature_map(anchor: Anchor, piece: Node) -> bool:
     return False
 
 
-def _no_projected_scores(problems: list[str]) -> bool:
-    """Neither q nor k of a product pair reaches a projection: two products of other activations (DeepSeek-V4's
-    hyper-connections mix residual streams with weights normalised by Sinkhorn), not attention over tokens."""
-    return all(any(p.startswith(f"{r}: no projection found") for p in problems) for r in "qk")
+def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite, unprojected: set[str] | None = None) -> list[str]:
+    """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail.
 
-
-def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
-    """Walk each role of ``anchor`` back to its projections and fill ``site``; the problems of the roles that fail."""
+    ``unprojected`` receives the roles none of whose pieces reaches any projection."""
     problems: list[str] = []
     roles, dims = anchor.roles, anchor.head_dims
     for role, target in roles.items():
@@ -382,8 +378,10 @@ def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
         targets = [(target, anchor.head_axes.get(role, -1)), *anchor.extra.get(role, ())]
         matches: list[RoleMatch] = []
         whys: list[str] = []
+        reached = False
         for piece, axis in targets:
             projs, why = g.find_projections(piece, through_softmax=_softmax_feature_map(anchor, piece))
+            reached = reached or bool(projs)
             if not projs:
                 at = f"{op_words(piece)} [{piece.name}]"
                 whys.append(f"{role}: no projection found walking back from {at}" + (f" ({why})" if why else ""))
@@ -392,6 +390,8 @@ def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite) -> list[str]:
                 ms, ws = _walk_role(g, role, piece, dims[role], proj, axis, passed)
                 matches.extend(dataclasses.replace(m, joined=True) if len(targets) > 1 else m for m in ms)
                 whys.extend(ws)
+        if not reached and unprojected is not None:
+            unprojected.add(role)
         if whys and len(targets) > 1:  # a piece of a joint role not traced: KHA would miss part of it
             matches = []
         if not matches:
@@ -429,7 +429,8 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
         if reason:
             sites.append(site)
             continue
-        problems = _match_roles(g, anchor, site)
+        unprojected: set[str] = set()
+        problems = _match_roles(g, anchor, site, unprojected)
         alt = anchor.alternative
         if problems and alt is not None:  # the op read another way (attention over channels)
             other = RawSite(name, alt.rule, alt.node, {}, "")
@@ -437,7 +438,9 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
                 site, anchor, roles = other, alt, alt.roles
                 site.targets = {r: (n, alt.head_axes.get(r, -1)) for r, n in roles.items()}
                 problems = []
-        if rule == LINEAR_ATTENTION and _no_projected_scores(problems):
+        if problems and rule == LINEAR_ATTENTION and {"q", "k"} <= unprojected:
+            # two products of other activations (DeepSeek-V4's hyper-connections mix residual streams with
+            # weights normalised by Sinkhorn): no q or k projected from tokens, so no attention
             log.debug("%s: a product pair whose q and k come from no projection: no attention", name)
             continue
         if problems:
