@@ -353,18 +353,7 @@ def _softmax_feature_map(anchor: Anchor, piece: Node) -> bool:
     """In attention without a softmax, the role's operand is a softmax of its heads, seen through layout ops
     only: a feature map (CoaT's ``k.softmax(dim=2)`` right before ``k^T v``), which the walk may pass. A
     softmax further back (DeepSeek-V4's Sinkhorn-normalised stream mixing) is not one."""
-    if anchor.rule != LINEAR_ATTENTION:
-        return False
-    node = piece
-    for _ in range(16):
-        if node.op != "call_function":
-            return False
-        if node.target in SOFTMAX_OPS:
-            return True
-        if node.target not in LAYOUT_OPS or not node.args or not isinstance(node.args[0], Node):
-            return False
-        node = node.args[0]
-    return False
+    return anchor.rule == LINEAR_ATTENTION and _token_source(piece).target in SOFTMAX_OPS
 
 
 def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite, unprojected: set[str] | None = None) -> list[str]:
