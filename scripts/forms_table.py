@@ -359,6 +359,23 @@ FORMS += [
             rf"{LINEAR}\[retention_recurrent-",
         ),
         (
+            "ReLU linear attention channels first, `(v @ k^T) @ q` over (B, H, D, N), a row of ones padded onto the "
+            "values for the normaliser (Sana)",
+            "linear_attention",
+            rf"{LINEAR}\[ones_column-",
+        ),
+        (
+            "the same with RoPE on q and k, its tables expanded over the heads (SanaVideo)",
+            "linear_attention",
+            rf"{LINEAR}\[rotary-",
+        ),
+        (
+            'factorised ("efficient") attention: softmax of k over the tokens, of q over its features, the state '
+            "`softmax(k)^T v` first (CoaT, lambda layers)",
+            "linear_attention",
+            rf"{LINEAR}\[efficient-",
+        ),
+        (
             "a softmax written as `exp(s - logsumexp(s)) @ v` (Reformer's local attention)",
             "logsumexp_softmax",
             rf"{LINEAR}\[logsumexp_softmax-",
