@@ -20,7 +20,7 @@ from .core.report import AttentionSite, Report
 from .core.version import __version__
 from .exporters import export_aoti, export_onnx, export_tensorrt
 from .handlers.adapter import mark_trainable
-from .integrations import hf_quantizer
+from .integrations import hf_init, hf_quantizer
 from .model.config import KHAConfig
 from .parallel import parallelize
 from .passes.apply import apply, inspect, remove
@@ -32,6 +32,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # transformers' from_pretrained of a KHA directory loads its KHA: registered now, or once transformers'
 # quantizer registry is imported (nothing is imported here)
 hf_quantizer.install()
+# transformers' init_weights / _init_weights (and from_pretrained's init of missing weights) set KHA to identity
+hf_init.install()
 
 __all__ = [
     "AttentionSite",

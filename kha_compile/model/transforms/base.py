@@ -23,9 +23,57 @@ from ...core.errors import KHAConfigError, UnknownTransformError
 from ...core.kinds import Role, TransformName
 from ...core.registry import Registry
 
-__all__ = ["TransformKind", "TransformName", "get_transform", "kind_of", "register_transform", "transform_kinds"]
+__all__ = [
+    "IdentityInitModule",
+    "TransformKind",
+    "TransformName",
+    "get_transform",
+    "kind_of",
+    "register_transform",
+    "transform_kinds",
+]
 
 log = logging.getLogger(__name__)
+
+
+class IdentityInitModule(nn.Module):
+    """Base of a transform module that is at identity whenever its memory is first given values.
+
+    A subclass implements ``reset_parameters`` (identity; nothing on the meta device, which holds no
+    values). A transform built on the meta device (``torch.device("meta")``, accelerate's
+    ``init_empty_weights``, transformers' loading) has no values to keep, so leaving the meta device
+    by any ``Module._apply`` route sets it to identity: ``to_empty`` (whose memory is uninitialised)
+    and ``.to(device)`` (which cannot copy a meta tensor, and here gives the transform memory
+    instead of raising). A later ``load_state_dict`` overwrites it as usual.
+
+    Example::
+
+        with torch.device("meta"):
+            t = KHALinearTransform(64)
+        t.to_empty(device="cpu")        # t.weight == I, not the uninitialised memory of to_empty
+    """
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> IdentityInitModule:
+        if not any(p.is_meta for p in self.parameters(recurse=False)):
+            return super()._apply(fn, recurse)
+
+        def leave_meta(t: Tensor) -> Tensor:
+            if not t.is_meta:
+                return fn(t)
+            try:
+                return fn(t)  # to_empty, .to("meta") and dtype casts run on meta tensors
+            except NotImplementedError:  # .to(device): a meta tensor has no values to copy
+                probe = fn(torch.empty((), dtype=t.dtype))  # where and in which dtype fn puts a tensor
+                return torch.empty_like(t, device=probe.device, dtype=probe.dtype)
+
+        out = super()._apply(leave_meta, recurse)
+        if not any(p.is_meta for p in self.parameters(recurse=False)):
+            self.reset_parameters()
+            log.debug("%s left the meta device: reset to identity", type(self).__name__)
+        return out
 
 
 class TransformKind:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import TransformKind, register_transform
+from .base import IdentityInitModule, TransformKind, register_transform
 
 __all__ = ["LINEAR", "KHALinearTransform", "LinearKind"]
 
 
-class KHALinearTransform(nn.Module):
+class KHALinearTransform(IdentityInitModule):
     """KHA-Linear: ``x @ T`` over the head dimension, T shared by every head of its role.
 
     Identity at init, so the model's outputs do not change.

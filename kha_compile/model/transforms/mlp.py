@@ -15,12 +15,12 @@ from torch import Tensor, nn
 
 from ...ops import mlp_value_auto  # (importing ops registers torch.ops.kha.mlp_value)
 from ...ops.mlp_value_onnx import translate_mlp_value
-from .base import TransformKind, register_transform
+from .base import IdentityInitModule, TransformKind, register_transform
 
 __all__ = ["MLP", "KHAMLPValue", "MLPValueKind"]
 
 
-class KHAMLPValue(nn.Module):
+class KHAMLPValue(IdentityInitModule):
     """KHA-MLP on values: ``2 * ((v W_up) * sigmoid(v W_gate)) W_down``, one fused op.
 
     W_up = W_down = I and W_gate = 0 at init, so ``2 * sigmoid(0) = 1`` and the output is v exactly.
