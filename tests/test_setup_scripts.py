@@ -2,7 +2,8 @@
 
 ``python3`` and the venv's ``python`` are stubs that log their arguments, so the test runs in well
 under a second and checks the script's own logic: a fresh venv is created and installed into, a
-second run installs nothing, and an extra not yet installed triggers an install.
+second run installs nothing, and an extra not yet installed triggers an install; torch is tried
+from PyTorch's CPU index first (briefly) and comes from the registry where that index cannot be reached.
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ def _executable(path: Path, text: str) -> Path:
     return path
 
 
-def _source(tmp_path: Path, extras: str) -> list[str]:
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _source(tmp_path: Path, extras: str, **more_env: str) -> list[str]:
     log = tmp_path / "log"
     log.write_text("")
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "KHA_TORCH_INDEX"},  # the script's default index
         "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
         "KHA_VENV": str(tmp_path / "venv"),
         "KHA_EXTRAS": extras,
         "KHA_TEST_LOG": str(log),
         "KHA_TEST_STUB": str(tmp_path / "stub_python"),
+        **more_env,
     }
     script = f'set -euo pipefail; source "{ROOT / "scripts" / "_venv.sh"}"; echo sourced'
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
@@ -59,10 +64,13 @@ def test_fresh_venv_is_created_and_installed_then_reused(tmp_path):
     first = _source(tmp_path, "test")  # no .venv, no stamp: the state of a fresh clone
     assert first[0] == f"python3 -m venv {tmp_path / 'venv'}"
     installs = [line for line in first if " install " in line]
-    assert len(installs) == 3
-    assert "torch==2.13.0" in installs[0] and "constraints.txt" in installs[0]  # torch first, pinned
-    assert installs[1].endswith(f"-e {ROOT}[test]")
-    assert "--no-deps" in installs[2] and installs[2].endswith(" timm")  # never torchvision from the registry
+    assert len(installs) == 4
+    # torch first, pinned: the CPU build from PyTorch's index, tried briefly (seconds where it cannot be reached)
+    assert f"--index-url {CPU_INDEX}" in installs[0] and installs[0].endswith(" torch==2.13.0")
+    assert "--no-deps" in installs[0] and "--timeout 5" in installs[0] and "--retries 0" in installs[0]
+    assert "torch==2.13.0" in installs[1] and "constraints.txt" in installs[1]  # its dependencies, registry
+    assert installs[2].endswith(f"-e {ROOT}[test]")
+    assert "--no-deps" in installs[3] and installs[3].endswith(" timm")  # never torchvision from the registry
 
     assert _source(tmp_path, "test") == []  # same hashes, same extras: nothing to do
     again = _source(tmp_path, "demo")  # an extra not installed yet
@@ -84,3 +92,29 @@ def test_a_timm_that_cannot_install_does_not_stop_the_set_up(tmp_path):
     log = _source(tmp_path, "test")  # _source asserts the script went on under set -e
     assert any("--no-deps" in line for line in log)
     assert _source(tmp_path, "test") == []  # the stamp was written: nothing to do next time
+
+
+_STUB_PYTHON_NO_INDEX = """#!/usr/bin/env bash
+echo "python $*" >> "$KHA_TEST_LOG"
+case "$*" in *--index-url*) exit 1 ;; esac
+"""
+
+
+def test_an_unreachable_torch_index_falls_back_to_the_registry(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _executable(tmp_path / "stub_python", _STUB_PYTHON_NO_INDEX)
+    _executable(tmp_path / "bin" / "python3", _STUB_PYTHON3)
+
+    installs = [line for line in _source(tmp_path, "test") if " install " in line]
+    assert "--index-url" in installs[0]  # tried, failed: the set-up goes on under set -e
+    assert "--index-url" not in installs[1] and installs[1].endswith(" torch==2.13.0")  # the registry's torch
+    assert _source(tmp_path, "test") == []  # the stamp was written
+
+
+def test_an_empty_torch_index_asks_the_registry_only(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _executable(tmp_path / "stub_python", _STUB_PYTHON)
+    _executable(tmp_path / "bin" / "python3", _STUB_PYTHON3)
+
+    installs = [line for line in _source(tmp_path, "test", KHA_TORCH_INDEX="") if " install " in line]
+    assert len(installs) == 3 and not any("--index-url" in line for line in installs)
