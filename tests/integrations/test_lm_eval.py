@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 import yaml
 from lm_eval import simple_evaluate
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
@@ -49,3 +50,18 @@ def test_hflm_scores_a_kha_model_as_an_instance_and_by_path_alike(tmp_path):
     d = save(model, tmp_path / "kha")
     by_path = _evaluate(HFLM(pretrained=str(d), device="cpu", batch_size=1))
     assert by_path == before
+
+
+def test_the_checkpoints_page_lm_eval_command_runs_with_the_task_it_names(tmp_path, monkeypatch, capsys):
+    """docs/guides/checkpoints.md's `lm_eval` command, as written, from the repository root (its task ships)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "guides" / "checkpoints.md").read_text()
+    args = "--model hf --model_args pretrained=trained --tasks my_task --include_path examples/lm_eval_task/"
+    assert args in page
+    d = save(trained("qwen3", MLP), tmp_path / "trained")
+    monkeypatch.chdir(root)  # the task's data file is relative to the repository root, as the page says
+    argv = ["lm_eval", *args.replace("pretrained=trained", f"pretrained={d}").split(), "--device", "cpu"]
+    monkeypatch.setattr("sys.argv", argv)
+    cli_evaluate()
+    table = capsys.readouterr().out
+    assert "my_task" in table and "acc" in table
