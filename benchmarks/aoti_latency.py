@@ -5,7 +5,7 @@ three times with ``kc.export_aoti``: no KHA (baseline), linear q, k, v KHA (fold
 same graph as the baseline) and MLP-value KHA on v (lowered to aten ops inside the package). KHA weights
 are moved off identity first. The three packages are loaded in this process and timed in turns on the
 same inputs, batch 1 and 8 at sequence 128. Goals: folded / baseline = 1.00 within noise, MLP-value /
-baseline <= 1.05 (its FLOP share, KHA_SPEC "Cost").
+baseline <= 1.05 (its FLOP share, docs/method.md, "Cost").
 
 The device is CUDA when torch sees a GPU (the packages are then CUDA packages; Inductor writes Triton
 kernels for the decomposed MLP-value), else CPU. ``--device`` chooses.

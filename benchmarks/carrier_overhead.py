@@ -46,7 +46,7 @@ class Attention(nn.Module):
 
 
 def hand_written(model: Attention, made: nn.Module, kind: str) -> nn.Module:
-    """``model`` with the pass-made model's KHA weights applied by forward hooks (KHA_SPEC.md)."""
+    """``model`` with the pass-made model's KHA weights applied by forward hooks (docs/method.md)."""
     hand = copy.deepcopy(model)
     for role in ("q", "k", "v") if kind == "linear" else ("v",):
         t = made.get_submodule(f"{role}.kha.{role}")

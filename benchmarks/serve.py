@@ -66,7 +66,7 @@ def save_models(root: pathlib.Path) -> dict[str, str]:
 
 
 def flop_ratio() -> float:
-    """Multiply-adds per decoded token at the decode context, MLP-value / no KHA (KHA_SPEC "Cost")."""
+    """Multiply-adds per decoded token at the decode context, MLP-value / no KHA (docs/method.md, "Cost")."""
     d, layers, kv, ffn = SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], 2816
     heads, ctx = SHAPE["num_attention_heads"], DECODE_PROMPT + NEW // 2
     proj = d * (heads * HEAD_DIM) * 2 + d * (kv * HEAD_DIM) * 2 + 3 * d * ffn  # q, o, k, v, FFN

@@ -104,7 +104,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, L, self.h, self.dh)  # (B, L, H, Dh)
         k = self.k_proj(x).view(B, L, self.hkv, self.dh)  # (B, L, Hkv, Dh)
         v = self.v_proj(x).view(B, L, self.hkv, self.dh)  # (B, L, Hkv, Dh)
-        if self.kha == "linear":  # token-side, after the head split (KHA_SPEC: Q~ = Q T^Q, ...)
+        if self.kha == "linear":  # token-side, after the head split (docs/method.md: Q~ = Q T^Q, ...)
             q, k, v = q @ self.t_q, k @ self.t_k, v @ self.t_v
         elif self.kha == "mlp":  # V~ = 2 ((V W_up) * sigmoid(V W_gate)) W_down
             v = (2.0 * (v @ self.w_up) * torch.sigmoid(v @ self.w_gate)) @ self.w_down

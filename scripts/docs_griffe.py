@@ -1,6 +1,6 @@
 """A griffe extension for the docs site: the library's reST-flavoured docstrings read as Markdown.
 
-The docstrings follow the project's style (docs/architecture.md, STYLE.md): a literal block after
+The docstrings follow the project's style (docs/architecture.md): a literal block after
 ``Example::`` and Sphinx roles such as ``:func:`create```. Markdown would show ``Example::`` and
 ``:func:`` as text and the block unhighlighted, so before mkdocstrings renders a docstring:
 

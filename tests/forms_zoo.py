@@ -2,7 +2,7 @@
 
 Every model has ``reference(*inputs)``: its output computed from the stored parameters
 (``state_dict``), head by head, with the KHA transforms applied to each head vector as
-KHA_SPEC.md writes them (:func:`kha_of`). The reference never runs the model's attention modules;
+docs/method.md writes them (:func:`kha_of`). The reference never runs the model's attention modules;
 helpers here (rope, the per-head attention) are plain functions of tensors.
 
 Example::

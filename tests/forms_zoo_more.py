@@ -1,7 +1,7 @@
 """More attention forms from real code (issue 22), each with an independent per-head reference.
 
 Like ``tests/forms_zoo.py``: every model has ``reference(*inputs)``, its output computed from the
-stored parameters head by head with KHA as KHA_SPEC.md writes it. The reference looks KHA up with
+stored parameters head by head with KHA as docs/method.md writes it. The reference looks KHA up with
 :func:`shared_kha`, which finds the one transform of a role anywhere under a module and fails when
 there are several: one shared T per role for all heads is part of what it checks.
 

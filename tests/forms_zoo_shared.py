@@ -1,7 +1,7 @@
 """Attention forms that share, tie or compress (issue 28), each with an independent per-head reference.
 
 Like ``tests/forms_zoo.py`` and ``tests/forms_zoo_more.py``: every model has ``reference(*inputs)``,
-its output computed from the stored parameters head by head, with KHA as KHA_SPEC.md writes it at
+its output computed from the stored parameters head by head, with KHA as docs/method.md writes it at
 the place kha_compile puts it: after the projection, or, where two roles read the same features of
 one projection, on the attention call's argument of each role (``docs/attention_forms.md``).
 ``shared_kha`` fails when a block holds two transforms of one role.

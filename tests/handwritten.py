@@ -3,7 +3,7 @@
 The reference of the training-regime tests. For a copy of a model made before ``kc.apply``,
 :class:`HandKHA` adds to every attention a module ``hand_kha`` (a child of the module that owns the
 q/k/v projections, so FSDP2, DDP and gradient checkpointing treat it as part of the layer) holding
-KHA_SPEC.md's transforms as its own parameters, and a forward hook on each q/k/v projection that
+docs/method.md's transforms as its own parameters, and a forward hook on each q/k/v projection that
 cuts the projection output into heads the way the architecture's modeling code does
 (:data:`reference.LAYOUTS`, written out per architecture with the head counts from the config),
 applies the role's transform to every head vector and puts the heads back. That is after the
@@ -12,7 +12,7 @@ head split and before QK-norm, RoPE and repeat_kv, which all act on the projecti
 The matrices are stored transposed, the way ``nn.Linear`` stores a weight (``h -> h @ t.T``):
 Adam is transpose-equivariant, so both sides train the same, and nothing here shares a layout or
 a line of code with kha_compile. Initial KHA weights are copied from the pass-made model's state
-dict by the names DESIGN.md gives them (``<projection>.kha.<role>.<weight | up | gate | down>``).
+dict by the names docs/concepts.md gives them (``<projection>.kha.<role>.<weight | up | gate | down>``).
 
 ``drop``: roles whose transform the hand model leaves out (identity), to show that a comparison
 fails when KHA is missing on one role.
@@ -53,7 +53,7 @@ class HandTransforms(nn.Module):
                 self.register_parameter(f"{role}_{p}", nn.Parameter(init[p].clone()))
 
     def apply_role(self, role: str, h: Tensor) -> Tensor:
-        """KHA_SPEC.md's transform of ``role`` on head vectors ``h`` (..., Dh)."""
+        """docs/method.md's transform of ``role`` on head vectors ``h`` (..., Dh)."""
         kind = self.kinds.get(role)
         if kind is None or role in self.drop:
             return h

@@ -50,7 +50,7 @@ REFERENCE_ARCH = {"torch_encoder": "torch_mha", "nanogpt": "nanogpt"}
 def expected_roles(case: zoo.ZooCase, cfg) -> dict[str, str]:
     """Role -> kind every projection of ``case`` carries after ``kc.apply(model, cfg)``.
 
-    MLA sites take linear where MLP-value is asked for (KHA_SPEC.md, "Multi-head latent attention").
+    MLA sites take linear where MLP-value is asked for (docs/method.md, "Multi-head latent attention").
     """
     roles = dict(cfg.roles())
     if "mla" in case.kinds and roles.get("v") == "mlp":

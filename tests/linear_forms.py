@@ -2,7 +2,7 @@
 
 Each model is two blocks of one form, with separate q, k, v, o linears of ``H`` heads of ``DH``. The
 reference of a KHA model is :class:`reference.Reference` over an untouched copy: forward hooks on the
-copy's own q, k, v projections apply KHA_SPEC.md's transforms head by head (:func:`layout`).
+copy's own q, k, v projections apply docs/method.md's transforms head by head (:func:`layout`).
 
 Example::
 

@@ -1,7 +1,7 @@
 """Hypothesis cases for functional and N-d projections, and an independent per-head reference.
 
 The reference never runs the model's forward: it slices each head's weight out of the stored
-parameters by hand, applies the KHA transforms as KHA_SPEC.md writes them to each head vector, and
+parameters by hand, applies the KHA transforms as docs/method.md writes them to each head vector, and
 runs softmax attention head by head (GQA by integer division of the head number).
 
 Example::
@@ -114,7 +114,7 @@ class EinsumCase(nn.Module):
 
 
 def spec_transform(params: dict[str, torch.Tensor]):
-    """KHA_SPEC.md: ``h @ T`` (linear) or ``2 * ((h W_up) * sigmoid(h W_gate)) W_down`` (MLP-value)."""
+    """docs/method.md: ``h @ T`` (linear) or ``2 * ((h W_up) * sigmoid(h W_gate)) W_down`` (MLP-value)."""
     if "weight" in params:
         return lambda h: h @ params["weight"]
     return lambda h: 2 * ((h @ params["up"]) * torch.sigmoid(h @ params["gate"])) @ params["down"]

@@ -3,13 +3,13 @@
 For a model and an untouched deep copy made before ``kc.apply``, :class:`Reference` registers forward
 hooks on the copy's q, k, v projection modules. Each hook cuts the projection output into heads the
 way the architecture's own modeling code does (written out below per architecture, with the head
-counts read from the model's config), applies KHA_SPEC.md's transform to every head vector, and puts
+counts read from the model's config), applies docs/method.md's transform to every head vector, and puts
 the heads back:
 
 - linear: ``h @ T``;
 - MLP-value: ``2 * ((h @ up) * sigmoid(h @ gate)) @ down``.
 
-The transforms' tensors are read from the KHA model's state dict by name, as DESIGN.md names them
+The transforms' tensors are read from the KHA model's state dict by name, as docs/concepts.md names them
 (``<projection path>.kha.<role>.<weight | up | gate | down>``). Nothing here imports kha_compile or
 uses its layout machinery, so a test that compares a KHA model with this reference compares two
 independent computations.
@@ -43,7 +43,7 @@ ROLES = ("q", "k", "v")
 
 
 def spec_transform(params: dict[str, Tensor]) -> Fn:
-    """KHA_SPEC.md's transform from its tensors: ``{"weight": T}`` (linear) or ``{"up", "gate", "down"}`` (MLP)."""
+    """docs/method.md's transform from its tensors: ``{"weight": T}`` (linear) or ``{"up", "gate", "down"}`` (MLP)."""
     if set(params) == {"weight"}:
         t = params["weight"]
         return lambda h: h @ t
@@ -308,7 +308,7 @@ def _mha_forward(mha: nn.MultiheadAttention, split: Split, fns: dict[str, Fn]) -
 # the reference
 # ----------------------------------------------------------------------------------------------------
 class Reference:
-    """The untouched model with KHA_SPEC.md's transforms applied at its projection outputs by hooks.
+    """The untouched model with docs/method.md's transforms applied at its projection outputs by hooks.
 
     ``arch``: a key of :data:`LAYOUTS` (default: ``model.config.model_type``), or a layout function of
     its own (``(model, cfg) -> [Proj]``); ``cfg``: where the head counts come from (default:

@@ -18,7 +18,7 @@ reason (``stats.declined``, DEBUG log):
   compiling, or none of the weight, bias and transform parameters requires grad), every transform
   of a foldable kind (KHA-Linear, or any registered kind with ``foldable = True``) is folded into
   the rows of the projection that feeds it (``W[R_h] <- T^T W[R_h]``, ``b[R_h] <- b[R_h] T`` with
-  ``T = kind.fold_matrix_of(*params)``, KHA_SPEC.md) and the transform disappears.
+  ``T = kind.fold_matrix_of(*params)``, docs/method.md) and the transform disappears.
 
 Then the graph goes to Inductor (``torch._inductor.compile_fx.compile_fx``).
 

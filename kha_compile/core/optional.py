@@ -45,6 +45,8 @@ _EXTRA = {
     "triton": "triton",
     "matplotlib": "viz",
     "onnxruntime_genai": "genai",
+    "peft": "peft",
+    "lm_eval": "eval",
 }
 
 

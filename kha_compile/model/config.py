@@ -29,7 +29,7 @@ def allowed_kinds(role: Role) -> tuple[str | None, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class KHAConfig:
-    """Which KHA transform each attention role gets (KHA_SPEC.md).
+    """Which KHA transform each attention role gets (docs/method.md).
 
     ``q`` and ``k``: ``None`` or ``"linear"``; ``v``: ``None``, ``"linear"`` or ``"mlp"``.
     The default is the paper's best configuration: MLP-value KHA, no query/key transform.

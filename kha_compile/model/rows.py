@@ -3,7 +3,7 @@
 For head h occupying output features R_h of a projection with weight W (output axis ``axis``)
 and bias b, ``x -> x @ T`` after the projection equals the projection with
 
-    W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (KHA_SPEC.md, "Folding")
+    W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (docs/method.md, "Folding")
 
 computed in float32 and cast back. Nothing is written: callers commit the returned tensors.
 """

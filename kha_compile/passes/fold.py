@@ -3,7 +3,7 @@
 One primitive, :func:`~kha_compile.model.rows.fold_rows` (re-exported here): for head h occupying
 output features R_h of a projection with weight W and bias b,
 
-    W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (KHA_SPEC.md, "Folding")
+    W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (docs/method.md, "Folding")
 
 where T is the transform kind's ``fold_matrix``. Each module's projection handler computes its new
 tensors; every one is computed and checked (finite) before any is written, so a refused fold

@@ -2,7 +2,7 @@
 
 For each model the table below says, from the model's own source, which rows (or Conv1D columns) of
 its fused projection hold head h of role r. The reference applies a random T to exactly those
-features by editing the original weights (KHA_SPEC.md: W[R_h] <- T^T W[R_h], b[R_h] <- b[R_h] T);
+features by editing the original weights (docs/method.md: W[R_h] <- T^T W[R_h], b[R_h] <- b[R_h] T);
 the KHA model gets the same T through its transform. A swapped role or a wrong head grouping
 changes the output, so these tests fail on it — the fold tests cannot, since fold reuses the slots.
 """

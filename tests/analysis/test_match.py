@@ -123,7 +123,7 @@ def test_generic_attention_is_matched_identity_at_init_and_wired(params, kind):
     out = model(x)
     assert not torch.allclose(out, ref, atol=1e-5)
 
-    # Wired to the right features: the same (perturbed) matrices, applied by hand per KHA_SPEC.md to
+    # Wired to the right features: the same (perturbed) matrices, applied by hand per docs/method.md to
     # each role's head vectors right after the head split, give the same output. This catches a
     # transform on the wrong role (q <-> k in a fused projection), the wrong head grouping, the wrong
     # place (after rotary) and MLP weights used in the wrong order, which "output changed" cannot.

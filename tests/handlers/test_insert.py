@@ -1,4 +1,4 @@
-"""build_sites / insert: MLA's transforms (KHA_SPEC "Multi-head latent attention") and the plan they follow."""
+"""build_sites / insert: MLA's transforms (docs/method.md, "Multi-head latent attention") and the plan they follow."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kha_compile.handlers.plan import MLA_NOTE
 
 
 def test_mla_tq_covers_the_whole_query_head_and_tk_the_per_head_no_rope_key_part():
-    """Decision (KHA_SPEC, MLA): every transform acts on what a per-head projection produces and folds
+    """Decision (docs/method.md, MLA): every transform acts on what a per-head projection produces and folds
     into an up-projection. T^Q covers the whole query head (no-RoPE + RoPE, all from q_b_proj);
     T^K covers the per-head no-RoPE key part of kv_b_proj; the RoPE key piece is shared by all heads
     (kv_a_proj_with_mqa) and stays untouched, so absorption and the shared cache survive."""

@@ -31,7 +31,7 @@ def _inputs(shape=(3, 40, 16), device="cpu", seed=0):
 
 
 def _formula(v, up, gate, down):
-    """KHA_SPEC.md's MLP-value, written out with plain torch ops (no kha_compile)."""
+    """docs/method.md's MLP-value, written out with plain torch ops (no kha_compile)."""
     return (2 * (v @ up) * torch.sigmoid(v @ gate)) @ down
 
 

@@ -2,7 +2,7 @@
 
 KHA's MLP-value module in plain eager mode on the CPU is autograd of the formula (``mlp_value_auto``),
 under ``torch.autocast`` (fp32 master weights) and as a half model (``.to(dtype)``). Its four
-gradients must equal a float64 reference rounded to the dtype: the formula of KHA_SPEC.md written
+gradients must equal a float64 reference rounded to the dtype: the formula of docs/method.md written
 out here, differentiated in float64 on the same inputs rounded to the dtype (what autocast feeds
 it). The bound is measured from the reference itself: ``BOUND`` unit roundoffs of the dtype times the
 largest reference gradient. Identity init and perturbed (trained-like) weights, 512 tokens.
@@ -35,7 +35,7 @@ def _case(init: str, seed: int = 0):
 
 
 def _formula(v, up, gate, down):
-    """KHA_SPEC.md's MLP-value, written out (no kha_compile)."""
+    """docs/method.md's MLP-value, written out (no kha_compile)."""
     return (2 * (v @ up) * torch.sigmoid(v @ gate)) @ down
 
 

@@ -72,7 +72,7 @@ def test_apply_matches_every_block_is_identity_wired_and_trainable(name, cfg_nam
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "falcon", "torch_encoder"])  # Linear, Conv1D, fused MQA, MHA
 def test_every_inserted_module_class_is_defined_in_kha_compile(name):
-    """DESIGN.md: every module KHA inserts (or re-classes) is a class defined in kha_compile."""
+    """The public contract: every module KHA inserts (or re-classes) is a class defined in kha_compile."""
     case = zoo.make(name)
     before = {type(m) for m in case.model.modules()}
     kc.apply(case.model, kc.KHAConfig(q="linear", v="mlp"), *case.example)

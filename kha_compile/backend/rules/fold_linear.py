@@ -5,7 +5,7 @@ weight, bias and transform parameters requires grad), every transform of a folda
 registered :class:`~kha_compile.model.transforms.TransformKind` with ``foldable = True``: KHA-Linear
 and whatever a user registers) is folded into the rows of the projection that feeds it
 (``W[R_h] <- T^T W[R_h]``, ``b[R_h] <- b[R_h] T`` with ``T = kind.fold_matrix_of(*params)``,
-KHA_SPEC.md) and the transform disappears.
+docs/method.md) and the transform disappears.
 
 The transform is found by the module that traced it: the nodes whose ``nn_module_stack`` holds a
 module of a foldable kind are one call of it; its one non-parameter input is the head slices of

@@ -4,7 +4,7 @@
 own unquantized method does, with the KHA transforms on the head slices of its output: inside the
 fused projection, so before rotary embedding and QK-norm, and the KV cache holds transformed keys and
 values. Linear transforms are folded into the rows of the projection's weight and bias when the
-weights are loaded (``W_h <- T^T W_h``, KHA_SPEC.md; zero cost at run time); other kinds (MLP-value)
+weights are loaded (``W_h <- T^T W_h``, docs/method.md; zero cost at run time); other kinds (MLP-value)
 run on the output's head slices, written back in place. Under tensor parallelism each rank holds its
 own heads' rows (``num_heads``, ``num_kv_heads`` of the layer are per rank), and the transforms, which
 every head of a role shares, are replicated. :class:`CheckedLinearMethod` (every other linear layer)
