@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kha_compile as kc
-from helpers import kha_params, main_output, perturb
+from helpers import kha_params, main_output, perturb, run_python
 
 transformers = pytest.importorskip("transformers")
 
@@ -223,3 +223,29 @@ def test_leaving_meta_by_to_gives_identity():
     for name, p in params.items():
         want = torch.zeros_like(eye) if name.endswith(".gate") else eye
         torch.testing.assert_close(p.detach(), want, rtol=0, atol=0, msg=name)
+
+
+_FSDP_META = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from kha_compile.model.transforms.linear import KHALinearTransform
+from kha_compile.model.transforms.mlp import KHAMLPValue
+with torch.device("meta"):
+    model = torch.nn.Sequential(KHALinearTransform(8), KHAMLPValue(8))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+model.to_empty(device="cpu")
+eye = torch.eye(8)
+for name, p in model.named_parameters():
+    assert type(p).__name__ == "DTensor", name
+    assert torch.equal(p.full_tensor(), torch.zeros_like(eye) if name.endswith("gate") else eye), name
+dist.destroy_process_group()
+print("IDENTITY")
+"""
+
+
+def test_fsdp2_sharded_transforms_leave_meta_at_identity():
+    """FSDP2 on the meta device, then to_empty: the transforms' DTensor parameters take the identity, sharded."""
+    run_python(_FSDP_META, "IDENTITY", timeout=120)

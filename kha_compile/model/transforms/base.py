@@ -21,12 +21,14 @@ from torch import Tensor, nn
 
 from ...core.errors import KHAConfigError, UnknownTransformError
 from ...core.kinds import Role, TransformName
+from ...core.optional import is_dtensor
 from ...core.registry import Registry
 
 __all__ = [
     "IdentityInitModule",
     "TransformKind",
     "TransformName",
+    "fill_whole",
     "get_transform",
     "kind_of",
     "register_transform",
@@ -34,6 +36,22 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def fill_whole(param: Tensor, value: Tensor) -> None:
+    """``param.copy_(value)`` with ``value`` given whole; a DTensor parameter (FSDP2, tensor parallel) takes its shard.
+
+    Every rank computes the same ``value`` (an identity), so each keeps its own part without communication.
+
+    Example::
+
+        fill_whole(module.weight, torch.eye(64))
+    """
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor  # loaded already: param is a DTensor
+
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 class IdentityInitModule(nn.Module):

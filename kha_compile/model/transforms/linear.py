@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import IdentityInitModule, TransformKind, register_transform
+from .base import IdentityInitModule, TransformKind, fill_whole, register_transform
 
 __all__ = ["LINEAR", "KHALinearTransform", "LinearKind"]
 
@@ -33,7 +33,7 @@ class KHALinearTransform(IdentityInitModule):
         if self.weight.is_meta:
             return
         with torch.no_grad():
-            self.weight.copy_(torch.eye(self.head_dim, dtype=self.weight.dtype, device=self.weight.device))
+            fill_whole(self.weight, torch.eye(self.head_dim, dtype=self.weight.dtype, device=self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
         return LINEAR.functional(x, self.weight)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ...ops import mlp_value_auto  # (importing ops registers torch.ops.kha.mlp_value)
 from ...ops.mlp_value_onnx import translate_mlp_value
-from .base import IdentityInitModule, TransformKind, register_transform
+from .base import IdentityInitModule, TransformKind, fill_whole, register_transform
 
 __all__ = ["MLP", "KHAMLPValue", "MLPValueKind"]
 
@@ -46,9 +46,9 @@ class KHAMLPValue(IdentityInitModule):
             return
         with torch.no_grad():
             eye = torch.eye(self.head_dim, dtype=self.up.dtype, device=self.up.device)
-            self.up.copy_(eye)
+            fill_whole(self.up, eye)
             self.gate.zero_()
-            self.down.copy_(eye)
+            fill_whole(self.down, eye)
 
     def forward(self, v: Tensor) -> Tensor:  # (..., Dh) -> (..., Dh)
         return MLP.functional(v, self.up, self.gate, self.down)
