@@ -50,7 +50,8 @@ def fill_whole(param: Tensor, value: Tensor) -> None:
     if is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor  # loaded already: param is a DTensor
 
-        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+        value = distribute_tensor(value, mesh, placements, src_data_rank=None)
     param.copy_(value)
 
 
