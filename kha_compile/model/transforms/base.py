@@ -80,11 +80,11 @@ class IdentityInitModule(nn.Module):
             return super()._apply(fn, recurse)
 
         def leave_meta(t: Tensor) -> Tensor:
-            if not t.is_meta:
-                return fn(t)
             try:
                 return fn(t)  # to_empty, .to("meta") and dtype casts run on meta tensors
-            except NotImplementedError:  # .to(device): a meta tensor has no values to copy
+            except NotImplementedError:  # .to(device) of a meta tensor: it has no values to copy
+                if not t.is_meta:
+                    raise
                 probe = fn(torch.empty((), dtype=t.dtype))  # where and in which dtype fn puts a tensor
                 return torch.empty_like(t, device=probe.device, dtype=probe.dtype)
 
