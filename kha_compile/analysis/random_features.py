@@ -12,7 +12,7 @@ projection, with the axis the projection contracts (the head vector): :func:`bef
 finds it, walking back from the product's operand through the value ops of the feature map (exp,
 the subtracted max, the norm term, the scaling) to a product of an activation with a fixed matrix.
 
-A product with a trained parameter is a projection for the match (a learned feature map), not this.
+A product with a trained parameter (a learned feature map) is not this: the match reads it as a projection.
 
 Example::
 
