@@ -260,11 +260,10 @@ def _reading(
 ) -> Anchor | None:
     if _shared_by_heads(g, roles["q"]):
         return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
-    behind = {r: before_random_features(g, roles[r], axes[r]) for r in ("q", "k")}
-    if all(behind.values()):  # FAVOR+: q and k through a fixed random projection and exp; KHA goes before it
-        roles, axes = dict(roles), dict(axes)
-        for r, (x, axis) in behind.items():  # type: ignore[misc]
-            roles[r], axes[r] = x, axis
+    q_in, k_in = (before_random_features(g, roles[r], axes[r]) for r in ("q", "k"))
+    if q_in is not None and k_in is not None:  # FAVOR+: q, k through a fixed random projection and exp; KHA before
+        roles = {**roles, "q": q_in[0], "k": k_in[0]}
+        axes = {**axes, "q": q_in[1], "k": k_in[1]}
         rule = RANDOM_FEATURES
     dims = {}
     for r, n in roles.items():
