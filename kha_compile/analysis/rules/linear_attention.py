@@ -139,14 +139,12 @@ def product_of(g: MatchGraph, node: Node) -> Product | None:
         if not isinstance(eq, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, Node) for o in ops):
             return None
         found = _einsum_pair(node, list(ops))
-        if found is None:
-            return None
-        a, b = found.a, found.b
     else:
         a, b = node.args[:2]
-        found = Product(node, a, b, -1, -2, -2, -1)  # type: ignore[arg-type]
-    if not isinstance(a, Node) or not isinstance(b, Node):
+        found = Product(node, a, b, -1, -2, -2, -1) if isinstance(a, Node) and isinstance(b, Node) else None
+    if found is None:
         return None
+    a, b = found.a, found.b
     sa, sb = shape_of(a), shape_of(b)
     if sa is None or sb is None or len(sa) < 3 or len(sb) < 3 or g.is_param(a) or g.is_param(b):
         return None
