@@ -340,6 +340,7 @@ FORMS += [
 
 LINEAR = "tests/analysis/rules/test_linear_attention.py::test_kha_on_attention_without_softmax_matches_the_per_head_reference"
 HYBRID = "tests/integrations/test_hybrid_linear_attention.py"
+FAVOR = "tests/analysis/test_random_features.py::test_kha_on_random_feature_attention_matches_the_per_head_reference"
 FORMS += [
     Form(name, rule, test, "-", "CPU and GPU")
     for name, rule, test in [
@@ -379,6 +380,19 @@ FORMS += [
             "a softmax written as `exp(s - logsumexp(s)) @ v` (Reformer's local attention)",
             "logsumexp_softmax",
             rf"{LINEAR}\[logsumexp_softmax-",
+        ),
+        (
+            "random-feature linear attention (FAVOR+, Performer): q and k through a fixed random projection (a "
+            "buffer), then exp with the squared norm and the max subtracted; matmuls, or `'...'` einsums with the projection expanded "
+            "over batch and heads and a three-operand output einsum",
+            "random_features",
+            rf"{FAVOR}\[favor_",
+        ),
+        (
+            "one fused qkv projection whose heads feed two forms: half FAVOR+, half banded softmax attention "
+            "(two sites, one transform per role shared by all the projection's heads)",
+            "random_features / manual_softmax",
+            rf"{FAVOR}\[half_favor_half_local-",
         ),
         (
             "Qwen3-Next's gated delta rule (transformers' `torch_chunk_gated_delta_rule`, fla's "

@@ -65,8 +65,9 @@ class AttentionRule(Protocol):
     def match(self, g: MatchGraph, node: Node) -> Anchor | None: ...
 
 
-# anchors of attention without a softmax (rules linear_attention and linear_kernel; fla kernels: "fla.<name>")
-LINEAR_FORMS = frozenset({"linear_attention", "gated_delta_rule", "kimi_delta_attention"})
+# anchors of attention without a softmax (rules linear_attention, random_features: its FAVOR+ form, and
+# linear_kernel; fla kernels: "fla.<name>")
+LINEAR_FORMS = frozenset({"linear_attention", "random_features", "gated_delta_rule", "kimi_delta_attention"})
 
 
 def is_linear_form(anchor: str) -> bool:
@@ -88,8 +89,13 @@ def form_note(anchor: str) -> str:
     """
     if not is_linear_form(anchor):
         return ""
+    form = (
+        f"{anchor}, FAVOR+: q and k through a fixed random projection and exp"
+        if anchor == "random_features"
+        else anchor
+    )
     return (
-        f"attention without softmax ({anchor}): KHA on the q, k, v heads right after their projection, before "
+        f"attention without softmax ({form}): KHA on the q, k, v heads right after their projection, before "
         "the short convolution, normalisation and feature map (so linear KHA folds into the projection); an "
         "extension of the paper, which measured softmax attention only"
     )

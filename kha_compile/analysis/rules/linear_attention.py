@@ -31,7 +31,9 @@ import torch
 from torch.fx import Node
 
 from ..graph import SDPA_OPS, SOFTMAX_OPS, STOP
-from ..layout import shape_of
+from ..layout import NotLayout, shape_of
+from ..params import einsum_subscripts
+from ..random_features import RANDOM_FEATURES, before_random_features
 from . import register_rule
 from .base import Anchor
 
@@ -67,24 +69,60 @@ class Product:
     a_free: int
     b_contract: int
     b_free: int
+    a_out: int = -2  # the output axis of a's free axis (matmul: -2), and of b's (-1)
+    b_out: int = -1
+
+    def swapped(self) -> Product:
+        """The same product with its operands named the other way round."""
+        return Product(
+            self.node,
+            self.b,
+            self.a,
+            self.b_contract,
+            self.b_free,
+            self.a_contract,
+            self.a_free,
+            self.b_out,
+            self.a_out,
+        )
 
 
-def _einsum_axes(eq: str, ranks: tuple[int, int]) -> tuple[int, int, int, int] | None:
-    """(a_contract, a_free, b_contract, b_free) of a two-operand einsum contracting one letter, or None."""
-    if "..." in eq or "->" not in eq:
+def _einsum_pair(node: Node, ops: list[Any]) -> Product | None:
+    """The product of an einsum contracting one axis of two operands; further operands may only scale
+    its output (all their letters in the output: Performer's ``'...de,...nd,...n->...ne'`` with the
+    normaliser). ``'...'`` becomes stand-in letters."""
+    shapes = [shape_of(o) if isinstance(o, Node) else None for o in ops]
+    out_shape = shape_of(node)
+    if out_shape is None or any(s is None for s in shapes):
         return None
-    lhs, out = eq.replace(" ", "").split("->")
-    parts = lhs.split(",")
-    if len(parts) != 2 or tuple(len(p) for p in parts) != ranks:
+    try:
+        ins, out = einsum_subscripts(node.args[0], [len(s) for s in shapes if s is not None], len(out_shape))  # type: ignore[arg-type]
+    except NotLayout:
         return None
-    a, b = parts
+    pair = [i for i, letters in enumerate(ins) if not all(c in out for c in letters)]
+    if len(ins) > 2:
+        if len(pair) != 2:
+            return None
+    else:
+        pair = [0, 1]
+    a, b = (ins[i] for i in pair)
     contracted = [c for c in a if c in b and c not in out]
     a_free = [c for c in a if c not in b]
     b_free = [c for c in b if c not in a]
     if len(contracted) != 1 or len(a_free) != 1 or len(b_free) != 1 or any(c not in out for c in a_free + b_free):
         return None
     c = contracted[0]
-    return a.index(c) - len(a), a.index(a_free[0]) - len(a), b.index(c) - len(b), b.index(b_free[0]) - len(b)
+    return Product(
+        node,
+        ops[pair[0]],
+        ops[pair[1]],
+        a.index(c) - len(a),
+        a.index(a_free[0]) - len(a),
+        b.index(c) - len(b),
+        b.index(b_free[0]) - len(b),
+        out.index(a_free[0]) - len(out),
+        out.index(b_free[0]) - len(out),
+    )
 
 
 def product_of(g: MatchGraph, node: Node) -> Product | None:
@@ -98,22 +136,19 @@ def product_of(g: MatchGraph, node: Node) -> Product | None:
         return None
     if node.target is aten.einsum.default:
         eq, ops = node.args[0], node.args[1] if len(node.args) > 1 else None
-        if not isinstance(eq, str) or not isinstance(ops, (list, tuple)) or len(ops) != 2:
+        if not isinstance(eq, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, Node) for o in ops):
             return None
-        a, b = ops
+        found = _einsum_pair(node, list(ops))
     else:
         a, b = node.args[:2]
-    if not isinstance(a, Node) or not isinstance(b, Node):
+        found = Product(node, a, b, -1, -2, -2, -1) if isinstance(a, Node) and isinstance(b, Node) else None
+    if found is None:
         return None
+    a, b = found.a, found.b
     sa, sb = shape_of(a), shape_of(b)
     if sa is None or sb is None or len(sa) < 3 or len(sb) < 3 or g.is_param(a) or g.is_param(b):
         return None
-    if node.target is aten.einsum.default:
-        axes = _einsum_axes(node.args[0], (len(sa), len(sb)))  # type: ignore[arg-type]
-        if axes is None:
-            return None
-        return Product(node, a, b, *axes)
-    return Product(node, a, b, -1, -2, -2, -1)
+    return found
 
 
 def earlier_product(g: MatchGraph, start: Node, exclude: Node) -> Product | None:
@@ -223,6 +258,11 @@ def _reading(
 ) -> Anchor | None:
     if _shared_by_heads(g, roles["q"]):
         return None  # a state-space layer (Mamba-2): no per-head queries, so no attention heads for KHA
+    q_in, k_in = (before_random_features(g, roles[r], axes[r]) for r in ("q", "k"))
+    if q_in is not None and k_in is not None:  # FAVOR+: q, k through a fixed random projection and exp; KHA before
+        roles = {**roles, "q": q_in[0], "k": k_in[0]}
+        axes = {**axes, "q": q_in[1], "k": k_in[1]}
+        rule = RANDOM_FEATURES
     dims = {}
     for r, n in roles.items():
         shape = shape_of(n)
@@ -231,6 +271,24 @@ def _reading(
         dims[r] = shape[axes[r]]
     head_axes = {r: a for r, a in axes.items() if a != -1}
     return Anchor(node, rule, roles, dims, head_axes=head_axes, alternative=alternative)
+
+
+def _k_operand_is_a(first: Product, second: Product) -> bool | None:
+    """Whether k is ``first.a``, when ``second`` takes ``first``'s output as it is: k is the operand of
+    ``first`` whose free axis ``second`` contracts (the key tokens of the scores, the key features of the
+    state). None when there is something between the two products (the axes are not followed there)."""
+    if second.a is first.node:
+        axis = second.a_contract
+    elif second.b is first.node:
+        axis = second.b_contract
+    else:
+        return None
+    rank = len(shape_of(first.node) or ())
+    if not rank:
+        return None
+    if axis % rank == first.a_out % rank:
+        return True
+    return False if axis % rank == first.b_out % rank else None
 
 
 def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, scores_first: bool) -> Anchor | None:
@@ -246,6 +304,9 @@ def pair_anchor(g: MatchGraph, rule: str, first: Product, second: Product, *, sc
 
         pair_anchor(g, "linear_attention", scores, value_product, scores_first=True)
     """
+    k_is_a = _k_operand_is_a(first, second)
+    if k_is_a is not None and k_is_a != (not scores_first):  # an einsum naming k and v (or q and k) the other way
+        first = first.swapped()
     if not scores_first:
         roles = {"q": second.a, "k": first.a, "v": first.b}
         axes = {"q": second.a_contract, "k": first.a_free, "v": first.b_free}
@@ -277,11 +338,12 @@ def one_site_per_attention(sites: list[RawSite]) -> list[RawSite]:
 
         sites = one_site_per_attention(sites)      # the 4 chunk pairs of one retention layer: 1 site
     """
-    matched_names = {s.name for s in sites if s.anchor == LINEAR_ATTENTION and not s.reason}
+    pairs = (LINEAR_ATTENTION, RANDOM_FEATURES)
+    matched_names = {s.name for s in sites if s.anchor in pairs and not s.reason}
     out: list[RawSite] = []
     seen: set[tuple] = set()
     for s in sites:
-        if s.anchor != LINEAR_ATTENTION:
+        if s.anchor not in pairs:
             out.append(s)
             continue
         if s.reason:
