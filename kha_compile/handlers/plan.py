@@ -99,7 +99,7 @@ def build_sites(
         joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
         bad.extend(why)
         if tie_role:  # the other side holds the one transform
-            bad.extend(_tie_other_side(model, raw, tie_role, handlers, joint, first))
+            bad.extend(_tie_other_side(raw, tie_role, handlers, joint))
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
@@ -298,28 +298,29 @@ def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
 
 
 def _tie_other_side(
-    model: nn.Module,
     raw: RawSite,
     role: str,
     handlers: dict[str, tuple[ProjectionHandler | None, str]],
     joint: dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]],
-    rename: Callable[[str], str],
 ) -> list[str]:
     """A tied site's other q/k projection holds ``role``'s one transform (a joint stream of it), unless it is
-    the same module (one projection run on both sides: its transform covers both calls); the problems."""
+    the same module (one projection run on both sides: its transform covers both calls); the problems.
+    Both sides must be projection modules, so that each direction gets the same transform on both."""
     other = "k" if role == "q" else "q"
-    m, own = raw.roles[other], raw.roles[role].projection.module_path
-    path = m.projection.module_path
-    if path == own:
+    sides = [raw.roles[r].projection for r in (role, other)]
+    if sides[0].module_path == sides[1].module_path:
         return []
-    handler = handlers[other][0]
-    if handler is None or not handler.module_call or handler.plans_roles:
-        return [
-            f"q, k: one score matrix read both ways needs one transform shared by {rename(own)} and {rename(path)}, "
-            f"and {rename(path)} is not a projection module KHA can share one with"
-        ]
+    for r, proj in zip((role, other), sides):
+        handler = handlers[r][0]
+        if handler is None or not handler.module_call or handler.plans_roles:
+            how = f"carried by the {handler.name} handler" if handler is not None else handlers[r][1] or "no handler"
+            return [
+                f"q, k: one score matrix read both ways needs one transform shared by {sides[0].module_path} and "
+                f"{sides[1].module_path}, and {proj.param} is not a projection module KHA can share one with ({how})"
+            ]
+    m, handler = raw.roles[other], cast(ProjectionHandler, handlers[other][0])
     width = int(m.projection.feature_map.numel())
-    joint.setdefault(role, []).append((path, handler, _slot(role, m, handler.param_space), width))
+    joint.setdefault(role, []).append((sides[1].module_path, handler, _slot(role, m, handler.param_space), width))
     return []
 
 

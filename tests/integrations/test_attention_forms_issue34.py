@@ -13,7 +13,7 @@ import forms_zoo_issue34 as fz
 import kha_compile as kc
 from form_checks import check_form
 from helpers import kha_params, perturb
-from kha_compile.passes.apply import recorded_report
+from kha_compile.passes.apply import analyse, recorded_report
 
 B, D, H, DH = 2, fz.D, 4, fz.DH
 
@@ -129,3 +129,25 @@ def test_interest_pooling_is_one_attention_with_the_q_k_v_projections_as_roles(c
         got = (site.q_proj, site.k_proj, site.v_proj, site.kind, site.num_heads, site.num_kv_heads)
         assert got == (f"blocks.{i}.q", f"blocks.{i}.k", f"blocks.{i}.v", "mha", H, H), str(report)
         assert (site.head_dim, site.v_head_dim, site.joint) == (DH, DH, {}), str(report)
+
+
+def test_bidirectional_with_a_side_kha_cannot_share_a_transform_with_is_skipped_naming_the_form():
+    """b's side is a functional projection (a weight used with ``F.linear``): the one transform of q and k
+    cannot be shared with it, so the sites are skipped with the reason, not given a T^Q on one side only."""
+
+    class FunctionalSide(fz.BidirBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.qk_b
+            self.w_b = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+
+        def sides(self, a, b):
+            return fz.to_heads(self.qk_a(a)), fz.to_heads(torch.nn.functional.linear(b, self.w_b))
+
+    class FunctionalSideNet(fz.BidirNet):
+        block = FunctionalSide
+
+    report, _ = analyse(FunctionalSideNet(), CONFIGS["linear"], _two(), None)
+    assert len(report.sites) == 4 and not report.matched, str(report)
+    for site in report.sites:
+        assert "q, k: one score matrix read both ways needs one transform shared by blocks." in site.reason, site.reason
