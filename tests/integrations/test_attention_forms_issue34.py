@@ -151,3 +151,23 @@ def test_bidirectional_with_a_side_kha_cannot_share_a_transform_with_is_skipped_
     assert len(report.sites) == 4 and not report.matched, str(report)
     for site in report.sites:
         assert "q, k: one score matrix read both ways needs one transform shared by blocks." in site.reason, site.reason
+
+
+@pytest.mark.parametrize("cls", [fz.BidirNet, fz.BidirOneProjectionNet], ids=["two_projections", "one_projection"])
+def test_training_steps_move_the_one_transform_and_keep_the_reference(cls):
+    """Three fused AdamW steps: the one q/k transform (its gradient comes from both sides and both
+    directions) and each T^V move, and the trained model still equals its per-head reference."""
+    args = _two()
+    torch.manual_seed(0)
+    model = cls()
+    kc.apply(model, CONFIGS["linear"], example_args=args)
+    perturb(model)
+    before = {n: p.detach().clone() for n, p in kha_params(model).items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(*args).square().mean().backward()
+        opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in kha_params(model).items())
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args), model.reference(*args), rtol=1e-4, atol=1e-5)
