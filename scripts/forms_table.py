@@ -338,6 +338,25 @@ FORMS += [
     ]
 ]
 
+ISSUE34 = "tests/integrations/test_attention_forms_issue34.py"
+FORMS += [
+    Form(name, rule, rf"{ISSUE34}::test_form_matches_a_per_head_reference\[{case}", "-", "CPU and GPU")
+    for name, rule, case in [
+        (
+            "bidirectional cross-attention, one score matrix read both ways (a softmax over each axis): T^Q and "
+            "T^K one transform on both sides, folded into both projections",
+            "einsum_softmax / manual_softmax",
+            "bidirectional_one_score",
+        ),
+        (
+            "keys and values pooled into a few interests by a learned softmax over the tokens, the scores "
+            "normalised over the queries",
+            "einsum_softmax / manual_softmax",
+            "interests_pooled_scores_over_queries",
+        ),
+    ]
+]
+
 LINEAR = "tests/analysis/rules/test_linear_attention.py::test_kha_on_attention_without_softmax_matches_the_per_head_reference"
 HYBRID = "tests/integrations/test_hybrid_linear_attention.py"
 FAVOR = "tests/analysis/test_random_features.py::test_kha_on_random_feature_attention_matches_the_per_head_reference"

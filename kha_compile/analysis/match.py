@@ -49,6 +49,7 @@ from .layout import (
     token_shape,
     varies,
 )
+from .one_score import tie_one_score
 from .propagate import foreign_at, propagated_head_map
 from .rules import Anchor, attention_rules
 from .rules.linear_attention import LINEAR_ATTENTION, one_site_per_attention
@@ -95,6 +96,7 @@ class RawSite:
     join: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "cat" | "sum" | "heads"
     heads: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> heads, when heads are modules (.heads)
     targets: dict[str, tuple[Node, int]] = dataclasses.field(default_factory=dict)  # role -> (anchor node, head axis)
+    tied: bool = False  # q and k read one score matrix both ways (.one_score): T^Q and T^K are one transform
 
     def all_roles(self) -> list[RoleMatch]:
         """Every role match of the site, the other projections of joint roles included."""
@@ -453,4 +455,5 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
     sites = one_site_per_attention(sites)  # one attention without softmax written as several product pairs
     sites = group_heads(g, sites)  # heads written as separate modules: one site, one transform per role
     split_shared(g, sites)  # roles reading the same features of one projection: on the attention's arguments
+    tie_one_score(g, sites)  # one score matrix read both ways: one transform for q and k, after the projections
     return sites

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
+from ..analysis.one_score import tied_kinds, tied_note
 from ..analysis.rules.base import form_note
 from ..analysis.shared_roles import sharing_words
 from ..analysis.trace import Capture
@@ -86,6 +87,9 @@ def build_sites(
         note = MLA_NOTE if kind == "mla" else heads_note(raw) or form_note(raw.anchor)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
             kinds = {r: _foldable(k) for r, k in kinds.items()}
+        tie_role, tie_why = "", ""
+        if raw.tied:  # one score matrix read both ways: T^Q and T^K are one transform (analysis.one_score)
+            kinds, tie_role, tie_why = tied_kinds(kinds)
         slots: dict[str, HeadSlot] = {}
         for r in kinds:
             handler = handlers[r][0]
@@ -94,6 +98,8 @@ def build_sites(
             slots[r] = _slot(r, raw.roles[r], handler is not None and handler.param_space)
         joint, why = plan_joint(model, raw, kinds, first)  # joint streams / sums: the other projections of a role
         bad.extend(why)
+        if tie_role:  # the other side holds the one transform
+            bad.extend(_tie_other_side(raw, tie_role, handlers, joint))
         bad.extend(_shared_features(raw, kinds))
         for name, rename in copies:
             if bad:
@@ -139,6 +145,10 @@ def build_sites(
                 calls=_calls(raw),
             )
             current_transforms(model, site, homes)
+            if raw.tied:  # q and k carry the one transform
+                site.note = "; ".join(x for x in (site.note, tied_note(raw, rename), tie_why) if x)
+                one = site.transforms.get("q") or site.transforms.get("k")
+                site.transforms.update({r: one for r in "qk" if one})
             shown = [r for r in "qkv" if r in kinds] if kinds else list("qkv")  # roles with a transform
             notes = [
                 h.describe(model, {r: raw.roles[r] for r in shown if handlers[r][0] is h}, rename)
@@ -285,6 +295,33 @@ def _shared_features(raw: RawSite, kinds: dict[str, str]) -> list[str]:
         f"was found to take it on the {' and '.join(roles)} argument{'s' if len(roles) > 1 else ''} instead"
         for words, roles in lost.items()
     ]
+
+
+def _tie_other_side(
+    raw: RawSite,
+    role: str,
+    handlers: dict[str, tuple[ProjectionHandler | None, str]],
+    joint: dict[str, list[tuple[str, ProjectionHandler, HeadSlot, int]]],
+) -> list[str]:
+    """A tied site's other q/k projection holds ``role``'s one transform (a joint stream of it), unless it is
+    the same module (one projection run on both sides: its transform covers both calls); the problems.
+    Both sides must be projection modules, so that each direction gets the same transform on both."""
+    other = "k" if role == "q" else "q"
+    sides = [raw.roles[r].projection for r in (role, other)]
+    if sides[0].module_path == sides[1].module_path:
+        return []
+    for r, proj in zip((role, other), sides):
+        handler = handlers[r][0]
+        if handler is None or not handler.module_call or handler.plans_roles:
+            how = f"carried by the {handler.name} handler" if handler is not None else handlers[r][1] or "no handler"
+            return [
+                f"q, k: one score matrix read both ways needs one transform shared by {sides[0].module_path} and "
+                f"{sides[1].module_path}, and {proj.param} is not a projection module KHA can share one with ({how})"
+            ]
+    m, handler = raw.roles[other], cast(ProjectionHandler, handlers[other][0])
+    width = int(m.projection.feature_map.numel())
+    joint.setdefault(role, []).append((sides[1].module_path, handler, _slot(role, m, handler.param_space), width))
+    return []
 
 
 def _realized(m: RoleMatch, rename: Callable[[str], str]) -> RoleMatch:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.fx import Node
 
+from ..key_axis import score_axis
 from ..layout import NotLayout, shape_of
 from ..params import einsum_subscripts
 from . import register_rule
@@ -101,6 +102,23 @@ def _key_axis_cat(node: Any, depth: int = 6) -> Node | None:
     return None
 
 
+def _over_queries(g: MatchGraph, score: Node, vnode: Node, v: Node, sp: str, vout: str, sq: str, sk: str) -> bool:
+    """The value einsum sums the probabilities over the score letter of the first operand (:mod:`..key_axis`):
+    the softmax normalised over the queries, or one score matrix read the other way; the first operand
+    is then the keys."""
+    ops = cast(list, vnode.args[1])
+    probs = ops[1] if ops[0] is v else ops[0]
+    summed = [c for c in sp if c not in vout]
+    if len(summed) != 1 or shape_of(score) is None:
+        return False
+    axis = score_axis(g, score, probs, sp.index(summed[0]) - len(sp))
+    sout = _parse(score)
+    if axis is None or sout is None:
+        return False
+    letter = sout[1][axis]
+    return letter in sq and letter not in sk
+
+
 def _through_identity(node: Node) -> list[Node]:
     """``node`` and its users through dropout and casts (the nodes a slice of the probabilities hangs on)."""
     out: list[Node] = []
@@ -141,7 +159,7 @@ class EinsumSoftmaxRule:
         score = self._score(g, node)
         if score is None:
             return None
-        (sq, sk), sout, (q, k) = score
+        (sq, sk), sout, (q, k), _ = score
         c = _contracted([sq, sk], sout)
         if len(c) > 1:  # tied attention: the scores also sum over rows of an alignment (MSA row attention)
             c = [ch for ch in (sq[-1], sk[-1]) if ch in c][:1] or c
@@ -163,6 +181,9 @@ class EinsumSoftmaxRule:
                 node, self.name, {}, {}, f"softmax {node.name} has einsum scores but no value einsum after it"
             )
         vnode, (sp, sv), vout, v = value
+        if _over_queries(g, score[3], vnode, v, sp, vout, sq, sk):  # the values sum over q's tokens
+            (sq, q), (sk, k) = (sk, k), (sq, q)
+            qs, ks = ks, qs
         vdims = _carried(sp, sv, vout)
         vs = shape_of(v)
         if len(vdims) != 1 or vs is None:
@@ -181,7 +202,7 @@ class EinsumSoftmaxRule:
         for inp in cast(list, cat.args[0]) if cat is not None else []:
             found = self._score(g, softmax, start=inp)
             if found is not None and found[2][0] is q and found[2][1] is not k:
-                (_, sk2), sout2, (_, k2) = found
+                (_, sk2), sout2, (_, k2), _ = found
                 c2 = _contracted([found[0][0], sk2], sout2)
                 if len(c2) == 1:
                     extra["k"].append((k2, sk2.index(c2[0])))
@@ -208,7 +229,7 @@ class EinsumSoftmaxRule:
                     and all(_reads_params(g, o) for o in parsed[2])  # not a product of masks (Longformer's)
                 ):
                     ins, out, ops = parsed
-                    return (ins[0], ins[1]), out, (ops[0], ops[1])
+                    return (ins[0], ins[1]), out, (ops[0], ops[1]), n
                 if n.target in _SOFTMAX:
                     continue
                 nxt.extend(i for i in n.all_input_nodes if i.op == "call_function")

@@ -31,7 +31,7 @@ import torch
 from torch.fx import Node
 
 from ..graph import SDPA_OPS, SOFTMAX_OPS, STOP
-from ..layout import NotLayout, shape_of
+from ..layout import NotLayout, same_shape, shape_of
 from ..params import einsum_subscripts
 from ..random_features import RANDOM_FEATURES, before_random_features
 from . import register_rule
@@ -229,6 +229,22 @@ def _only_selects(g: MatchGraph, node: Node) -> bool:
     return False
 
 
+def _softmax_scores(g: MatchGraph, node: Node) -> bool:
+    """The product's result is normalised by a softmax (through scaling, masks, casts: ops of its shape):
+    it is the scores of a softmax attention, which the softmax rules match. Keys pooled over the
+    sequence by learned weights first, ``q @ (k^T @ w)``, look like a state ``k^T v`` with the pooling
+    weights as values; they are not an attention without softmax."""
+    frontier: list[Node] = [node]
+    for _ in range(_DEPTH // 2):
+        nxt = [u for n in frontier for u in g.users(n) if same_shape(u, node)]
+        if any(u.target in SOFTMAX_OPS for u in nxt):
+            return True
+        frontier = [u for u in nxt if u.target not in _PRODUCTS and u.target not in SDPA_OPS]
+        if not frontier:
+            return False
+    return False
+
+
 class LinearAttentionRule:
     """Anchor on the second product of an attention without softmax (see the module docstring)."""
 
@@ -237,7 +253,7 @@ class LinearAttentionRule:
 
     def match(self, g: MatchGraph, node: Node) -> Anchor | None:
         p = product_of(g, node)
-        if p is None or _only_selects(g, node):
+        if p is None or _only_selects(g, node) or _softmax_scores(g, node):
             return None
         scores = earlier_product(g, p.a, node)
         if scores is not None:  # (q @ k^T ...) @ v

@@ -21,6 +21,7 @@ import torch
 from torch.fx import Node
 
 from ..graph import SDPA_OPS, SOFTMAX_OPS
+from ..key_axis import score_axis
 from ..layout import shape_of, token_shape
 from . import register_rule
 from .base import Anchor
@@ -60,6 +61,11 @@ class ManualSoftmaxRule:
         dims = {"q": (token_shape(q) or (0,))[-1], "k": kt_shape[-2], "v": v_dim}
         roles = {"q": q, "k": kt, "v": v}
         axes = {"k": -2, "v": -2} if channels_first else {"k": -2}
+        if _over_queries(g, score, value_op, channels_first):  # the values sum over the scores' rows
+            dims["q"], dims["k"] = kt_shape[-2], (token_shape(q) or (0,))[-1]
+            roles["q"], roles["k"] = kt, q
+            axes = {"q": -2, "v": -2} if channels_first else {"q": -2}
+            return Anchor(value_op, self.name, roles, dims, head_axes=axes)  # type: ignore[arg-type]
         over_channels = None
         if not channels_first:  # XCA: q, k, v as (..., Dh, N), scores (..., Dh, Dh) summed over the tokens
             q_shape, v_shape = token_shape(q) or (0, 0), token_shape(v) or (0, 0)
@@ -71,6 +77,16 @@ class ManualSoftmaxRule:
                 head_axes={"q": -2, "k": -1, "v": -2},
             )
         return Anchor(value_op, self.name, roles, dims, head_axes=axes, alternative=over_channels)  # type: ignore[arg-type]
+
+
+def _over_queries(g: MatchGraph, score: Node, value_op: Node, channels_first: bool) -> bool:
+    """The value product sums the probabilities over the scores' axis -2, the rows of ``q @ k^T``
+    (:mod:`..key_axis`): the softmax normalised over the queries, or the probabilities were transposed
+    (one score matrix read both ways): the operands of the scores are then k and q^T, in that order."""
+    if value_op.target is aten.baddbmm.default:
+        return False
+    probs = value_op.args[1] if channels_first else value_op.args[0]
+    return isinstance(probs, Node) and score_axis(g, score, probs, -2 if channels_first else -1) == -2
 
 
 def _score_op(g: MatchGraph, softmax: Node) -> Node | None:
