@@ -25,6 +25,7 @@ from ..core.errors import FoldError, TensorParallelError, TracedPathError
 from ..core.mixins import mixin_class, module_class_named
 from ..core.optional import is_dtensor
 from ..core.quantized import compute_dtype, is_quantized_weight
+from .quantized import dequantized
 from .rows import base_class, fold_rows, projection_output, weight_out_axis
 from .sharded import UNADOPTED_TP, adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
@@ -209,6 +210,8 @@ class KHAProjection(nn.Module):
                 "Nothing was changed."
             )
         w: Tensor = self.get_parameter("weight")
+        if is_quantized_weight(w):  # kc.fold only (a quantized weight runs token-side): fold in float, requantize after
+            w = dequantized(self)
         b: Tensor | None = self._parameters.get("bias")
         for s in slots:
             t = self.kha[s.role]
