@@ -32,8 +32,15 @@ def is_quantized_weight(t: object) -> bool:
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
-    """True for an ``nn.Linear`` (or subclass) whose weight is stored quantized (:func:`is_quantized_weight`)."""
-    return isinstance(module, nn.Linear) and is_quantized_weight(module._parameters.get("weight"))
+    """True for an ``nn.Linear`` (or subclass) whose weight is stored quantized (:func:`is_quantized_weight`),
+    or is still to be loaded (on the meta device) as a quantization library's parameter class
+    (bitsandbytes' ``Params4bit``, ``Int8Params``: ``from_pretrained`` builds them before the weights load)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    w = module._parameters.get("weight")
+    if isinstance(w, Tensor) and w.is_meta:
+        return type(w) not in (nn.Parameter, Tensor) and not is_dtensor(w)
+    return is_quantized_weight(w)
 
 
 def compute_dtype(module: nn.Module, default: torch.dtype | None = None) -> torch.dtype | None:

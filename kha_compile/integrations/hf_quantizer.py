@@ -171,14 +171,14 @@ def _around(real: dict, kha_config: Any, kwargs: dict) -> Any:
 
 
 def _before(self: Any, model: Any, **kwargs: Any) -> Any:
-    model = super(type(self), self)._process_model_before_weight_loading(model, **kwargs)
+    super(type(self), self)._process_model_before_weight_loading(model, **kwargs)  # some return None
     model.config.quantization_config = self.quantization_config  # the real config object, as transformers set it
     prepare_model(model, self.kha_config, kwargs.get("checkpoint_files"))
     return model
 
 
 def _after(self: Any, model: Any, **kwargs: Any) -> Any:
-    model = super(type(self), self)._process_model_after_weight_loading(model, **kwargs)
+    super(type(self), self)._process_model_after_weight_loading(model, **kwargs)
     record_config(model)  # the real config object, recording the KHA too
     adopt_sharded_projections(model)
     log.info(
