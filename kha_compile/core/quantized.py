@@ -4,7 +4,8 @@ A quantized linear is an ``nn.Linear`` (bitsandbytes' ``Linear4bit`` and ``Linea
 torchao's ``quantize_`` keeps ``nn.Linear`` and swaps its weight for a tensor subclass) whose weight is
 packed integers (bitsandbytes: ``uint8`` 4-bit pairs of shape ``(n, 1)``, ``int8`` rows) or a tensor
 subclass other than a sharded ``DTensor`` (torchao's ``Int8Tensor``, ``Int4Tensor``, ...). Nothing of
-bitsandbytes or torchao is imported to tell.
+bitsandbytes or torchao is imported to tell. A linear that compressed-tensors quantizes (it sets
+``quantization_scheme`` on the module and replaces its forward) counts too, whatever its weight holds.
 
 Example::
 
@@ -32,8 +33,15 @@ def is_quantized_weight(t: object) -> bool:
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
-    """True for an ``nn.Linear`` (or subclass) whose weight is stored quantized (:func:`is_quantized_weight`)."""
-    return isinstance(module, nn.Linear) and is_quantized_weight(module._parameters.get("weight"))
+    """True for an ``nn.Linear`` (or subclass) whose weight is stored quantized (:func:`is_quantized_weight`), or
+    that compressed-tensors runs quantized (its ``quantization_scheme``; a forward of its own that fake-quantizes
+    the weight, which torch.export cannot trace)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    return (
+        is_quantized_weight(module._parameters.get("weight"))
+        or getattr(module, "quantization_scheme", None) is not None
+    )
 
 
 def compute_dtype(module: nn.Module, default: torch.dtype | None = None) -> torch.dtype | None:
