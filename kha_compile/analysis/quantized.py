@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.errors import UnsupportedModelError
 from ..core.quantized import compute_dtype, is_quantized_linear
 
 __all__ = ["TracedLinear", "plain_linears"]
@@ -39,11 +40,11 @@ class TracedLinear(nn.Linear):
 
 
 def _stand_in(module: nn.Linear, dtype: torch.dtype) -> TracedLinear:
-    weight = module.weight
+    device = next(iter(module.parameters(recurse=False))).device  # compressed-tensors: weight_packed, no weight
     stand_in = TracedLinear.__new__(TracedLinear)
     nn.Module.__init__(stand_in)
     stand_in.in_features, stand_in.out_features = module.in_features, module.out_features
-    one = torch.zeros((), dtype=dtype, device=weight.device)
+    one = torch.zeros((), dtype=dtype, device=device)
     shape = (module.out_features, module.in_features)
     stand_in.weight = nn.Parameter(one.expand(shape), requires_grad=False)
     bias = module._parameters.get("bias")
@@ -70,6 +71,16 @@ def plain_linears(model: nn.Module) -> Iterator[int]:
         for path, m in model.named_modules(remove_duplicate=False)
         if path and is_quantized_linear(m) and "kha" not in m._modules  # a KHA carrier traces as itself
     ]
+    packed = [path for path, m in found if "weight" not in m._parameters]
+    if packed:
+        # compressed-tensors decompresses its packed weights in a forward pre-hook on the model's first call;
+        # run on fake tensors, that would leave the model broken
+        raise UnsupportedModelError(
+            f"{packed[0]} (and {len(packed) - 1} more linears) still hold compressed-tensors' packed weights: "
+            "compressed-tensors decompresses them on the model's first forward. Run one forward (model(**inputs)) "
+            "before kc.apply, or load with quantization_config=CompressedTensorsConfig(dequantize=True). "
+            "The model is unchanged."
+        )
     if not found:
         yield 0
         return

@@ -4,7 +4,8 @@ A quantized linear is an ``nn.Linear`` (bitsandbytes' ``Linear4bit`` and ``Linea
 torchao's ``quantize_`` keeps ``nn.Linear`` and swaps its weight for a tensor subclass) whose weight is
 packed integers (bitsandbytes: ``uint8`` 4-bit pairs of shape ``(n, 1)``, ``int8`` rows) or a tensor
 subclass other than a sharded ``DTensor`` (torchao's ``Int8Tensor``, ``Int4Tensor``, ...). Nothing of
-bitsandbytes or torchao is imported to tell.
+bitsandbytes or torchao is imported to tell. A linear that compressed-tensors quantizes (it sets
+``quantization_scheme`` on the module and replaces its forward) counts too, whatever its weight holds.
 
 Example::
 
@@ -33,10 +34,14 @@ def is_quantized_weight(t: object) -> bool:
 
 def is_quantized_linear(module: nn.Module) -> bool:
     """True for an ``nn.Linear`` (or subclass) whose weight is stored quantized (:func:`is_quantized_weight`),
-    or is still to be loaded (on the meta device) as a quantization library's parameter class
-    (bitsandbytes' ``Params4bit``, ``Int8Params``: ``from_pretrained`` builds them before the weights load)."""
+    that compressed-tensors runs quantized (its ``quantization_scheme``; a forward of its own that fake-quantizes
+    the weight, which torch.export cannot trace), or whose weight is still to be loaded (on the meta device) as a
+    quantization library's parameter class (bitsandbytes' ``Params4bit``, ``Int8Params``: ``from_pretrained``
+    builds them before the weights load)."""
     if not isinstance(module, nn.Linear):
         return False
+    if getattr(module, "quantization_scheme", None) is not None:
+        return True
     w = module._parameters.get("weight")
     if isinstance(w, Tensor) and w.is_meta:
         return type(w) not in (nn.Parameter, Tensor) and not is_dtensor(w)

@@ -93,3 +93,27 @@ def test_kha_trains_on_frozen_quantized_base(llama_dir, kind):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params.values()), "every KHA weight trains"
     for m, w in zip(q_projs, before):
         assert m.weight.grad is None and torch.equal(dequantize_weight(m), w), "the quantized weights stay frozen"
+
+
+@pytest.mark.parametrize("kind", ["torchao-int8", "torchao-int4"])
+def test_apply_in_either_order_with_torchao(llama_dir, kind):
+    """quantize_ then kc.apply gives the model kc.apply then quantize_ gives: the same quantized weights (torchao
+    quantizes each weight on its own) and the same float transforms, so the same logits; both within the
+    quantization's error of the unquantized model with that KHA."""
+    from torchao.quantization import quantize_
+
+    from quantized_bases import torchao_config
+
+    first = load_float(llama_dir)
+    kc.apply(first, CFG)
+    perturb(first)
+    float_kha = logits(first).detach()
+    quantize_(first, torchao_config(kind))  # apply, then quantize
+    second = load_quantized(llama_dir, kind)  # quantize, then apply
+    kc.apply(second, CFG)
+    second.load_state_dict({k: v for k, v in first.state_dict().items() if ".kha." in k}, strict=False)
+    with torch.no_grad():
+        a, b = logits(first), logits(second)
+    quant_err = max_err(a, float_kha)
+    assert 0 < quant_err < 0.5 * max_err(float_kha, logits(load_float(llama_dir)).detach())
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
