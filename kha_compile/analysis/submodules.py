@@ -31,6 +31,7 @@ from torch.utils import _pytree
 
 from ..core.devices import callers_device
 from ..core.errors import AnalysisError, KHAError, TraceError
+from ..core.quantized import is_quantized_linear
 from .graph import module_path_of
 from .heads import is_single_head
 from .match import RawSite, find_sites
@@ -151,7 +152,7 @@ def prefix_sites(raw: list[RawSite], prefix: str) -> list[RawSite]:
 
 
 def _may_hold_attention(module: nn.Module) -> bool:
-    if next(module.parameters(), None) is None:
+    if next(module.parameters(), None) is None or is_quantized_linear(module):
         return False
     if isinstance(module, _ATTENTION_CLASSES):
         return True

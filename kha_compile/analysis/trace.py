@@ -21,6 +21,7 @@ from torch import nn
 from ..core.devices import callers_device
 from ..core.errors import TraceError
 from .opaque_kernels import opaque_kernels
+from .quantized import plain_linears
 
 __all__ = [
     "Capture",
@@ -207,14 +208,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, dedupe_blocks: bool 
     """Export ``model`` on fake tensors (no real compute) with one representative per block type.
 
     The model is left as it was: hooks and attributes its code adds during the trace are taken out
-    again (:func:`leaves_no_trace`).
+    again (:func:`leaves_no_trace`). Quantized linears are traced as plain ones (:func:`.quantized.plain_linears`).
 
     Example::
 
         cap = capture(model, (), {"input_ids": ids, "use_cache": False})
         cap.graph  # torch.fx.Graph of aten ops
     """
-    with leaves_no_trace(model):
+    with plain_linears(model), leaves_no_trace(model):
         return _capture(model, args, kwargs, dedupe_blocks)
 
 

@@ -15,6 +15,13 @@ them: ``pipeline(model=dir)``, PEFT, lm-evaluation-harness) runs this quantizer'
   "quantized" for transformers (the Trainer trains it in full, ``.half()`` and ``save_pretrained``
   work as usual), its config recording the KHA as ``kc.apply`` records it.
 
+On a quantized base (``quantization_config`` names kha_compile's method with the real one's config
+inside it, ``"wraps"``: bitsandbytes, torchao, ...), the quantizer transformers builds is the real
+method's own quantizer, extended (:func:`_around`): the real hooks run first (the base's layers replaced
+by quantized ones), then ``kc.apply`` on the quantized base and the checks; after loading, the model
+stays quantized for transformers (the Trainer trains it the QLoRA way, PEFT prepares it), its config the
+real method's config object that records the KHA too (:mod:`kha_compile.store.wrapped`).
+
 Directories saved by earlier versions, whose ``quant_method`` is a sentence (:data:`LEGACY_HINTS`),
 load the same way: the sentences are registered as names of the same configuration.
 
@@ -47,7 +54,16 @@ from ..model.sharded import adopt_sharded_projections
 from ..passes.apply import apply
 from ..passes.checkpoint import check_identity
 from ..store.format import checkpoint_misfit
-from ..store.hf import CONFIG_KEY, HINT_KEY, LEGACY_HINTS, QUANT_METHOD, kha_entry, kha_shapes_in, record_config
+from ..store.hf import (
+    CONFIG_KEY,
+    HINT_KEY,
+    LEGACY_HINTS,
+    QUANT_METHOD,
+    kha_entry,
+    kha_shapes_in,
+    record_config,
+    wrapped_quantization,
+)
 from ..store.identity import recorded_identity
 from ..store.names import align_names, is_kha_key
 
@@ -112,6 +128,12 @@ def _classes() -> tuple[type, type]:
 
         requires_calibration = False
 
+        def __new__(cls, quantization_config: Any, **kwargs: Any) -> Any:
+            real = wrapped_quantization(quantization_config)
+            if real is None:
+                return super().__new__(cls)
+            return _around(real, quantization_config, kwargs)  # not a KHAQuantizer: __init__ is not run again
+
         def validate_environment(self, *args: Any, **kwargs: Any) -> None:
             return None
 
@@ -131,6 +153,42 @@ def _classes() -> tuple[type, type]:
             return True
 
     return KHAQuantizationConfig, KHAQuantizer
+
+
+def _around(real: dict, kha_config: Any, kwargs: dict) -> Any:
+    """The real quantization method's quantizer for ``real`` (its config dict), extended to apply KHA too."""
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    real_config = AutoQuantizationConfig.from_dict(dict(real))
+    inner = AutoHfQuantizer.from_config(real_config, **kwargs)
+    cls = type(inner)
+    around = _AROUND.get(cls)
+    if around is None:
+        around = _AROUND[cls] = type(cls.__name__, (cls,), dict(_AROUND_METHODS, __module__=cls.__module__))
+    inner.__class__ = around
+    inner.kha_config = kha_config
+    return inner
+
+
+def _before(self: Any, model: Any, **kwargs: Any) -> Any:
+    super(type(self), self)._process_model_before_weight_loading(model, **kwargs)  # some return None
+    model.config.quantization_config = self.quantization_config  # the real config object, as transformers set it
+    prepare_model(model, self.kha_config, kwargs.get("checkpoint_files"))
+    return model
+
+
+def _after(self: Any, model: Any, **kwargs: Any) -> Any:
+    super(type(self), self)._process_model_after_weight_loading(model, **kwargs)
+    record_config(model)  # the real config object, recording the KHA too
+    adopt_sharded_projections(model)
+    log.info(
+        "loaded %s with its KHA (%s) on its quantized base", type(model).__name__, getattr(model.config, CONFIG_KEY)
+    )
+    return model
+
+
+_AROUND: dict[type, type] = {}
+_AROUND_METHODS = {"_process_model_before_weight_loading": _before, "_process_model_after_weight_loading": _after}
 
 
 def _recorded_entry(model: Any, quantization_config: Any) -> dict:

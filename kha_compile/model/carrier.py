@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from ..core.errors import FoldError, TensorParallelError, TracedPathError
 from ..core.mixins import mixin_class, module_class_named
 from ..core.optional import is_dtensor
+from ..core.quantized import compute_dtype, is_quantized_weight
+from .quantized import dequantized
 from .rows import base_class, fold_rows, projection_output, weight_out_axis
 from .sharded import UNADOPTED_TP, adopt_tensor_parallel
 from .slots import HeadSlot, layout_plan, transform_slices
@@ -87,6 +89,12 @@ def make_transforms(
     """One transform per role of ``kinds`` (dtype and device of ``ref``) and the slots they act on."""
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else None
     device = ref.device if ref is not None else None
+    return _transforms_for(slots, kinds, dtype, device)
+
+
+def _transforms_for(
+    slots: Sequence[HeadSlot], kinds: dict[str, str], dtype: torch.dtype | None, device: torch.device | None
+) -> tuple[KHATransforms, tuple[HeadSlot, ...]]:
     transforms = KHATransforms()
     for s in slots:
         if s.role in kinds and s.role not in transforms:
@@ -160,6 +168,7 @@ class KHAProjection(nn.Module):
             or self.__dict__.get("_is_hooked")  # sharded by transformers: its weight may be this rank's rows only
             or not isinstance(w, Tensor)
             or w.dim() != 2
+            or is_quantized_weight(w)  # a quantized weight is never folded on the fly: token-side
             or not isinstance(x, Tensor)
             or x.dim() == 0
         ):
@@ -201,6 +210,8 @@ class KHAProjection(nn.Module):
                 "Nothing was changed."
             )
         w: Tensor = self.get_parameter("weight")
+        if is_quantized_weight(w):  # kc.fold only (a quantized weight runs token-side): fold in float, requantize after
+            w = dequantized(self)
         b: Tensor | None = self._parameters.get("bias")
         for s in slots:
             t = self.kha[s.role]
@@ -319,7 +330,11 @@ def attach(
 
         attach(lin, (HeadSlot("v", 0, 4, 16, 16),), {"v": "mlp"}, 64, handler="linear")
     """
-    if transforms is None:
+    if transforms is None and is_quantized_weight(module._parameters.get("weight")):
+        # the transforms run in the compute dtype of a quantized linear, beside its frozen quantized weight
+        weight = module._parameters["weight"]
+        transforms, active = _transforms_for(slots, kinds, compute_dtype(module), weight.device)  # type: ignore[union-attr]
+    elif transforms is None:
         ref = next(iter(module.parameters(recurse=False)), None)
         transforms, active = make_transforms(slots, kinds, ref)
     else:

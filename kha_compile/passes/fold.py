@@ -8,7 +8,8 @@ output features R_h of a projection with weight W and bias b,
 where T is the transform kind's ``fold_matrix``. Each module's projection handler computes its new
 tensors; every one is computed and checked (finite) before any is written, so a refused fold
 changes nothing. Afterwards the handler detaches the module: classes and ``state_dict`` keys are
-exactly the original model's.
+exactly the original model's. A quantized weight (bitsandbytes, torchao) is folded in float and
+requantized in its own format (:mod:`kha_compile.model.quantized`), or refused with a ``FoldError``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from ..core.errors import FoldError
+from ..core.quantized import is_quantized_weight
 from ..handlers import adapter, handler_of, projection_handlers
 from ..model.adapter import unwrap_model
 from ..model.carrier import kha_modules, transforms_of
+from ..model.quantized import dequantized, requantized, set_quantized_weight
 from ..model.rows import fold_rows, weight_out_axis
 from ..model.sharded import refuse_sharded
 from ..model.transforms import kind_of
@@ -51,6 +54,41 @@ def _foldable_roles(module: nn.Module) -> list[str]:
     """The roles of ``module`` that fold: of a linear kind, and not held where they cannot (k = v)."""
     fixed = set(handler_of(module).fixed_roles(module))
     return [r for r, t in transforms_of(module).items() if kind_of(t).foldable and r not in fixed]
+
+
+def _requantized(
+    modules: list[tuple[str, nn.Module]], updates: list[tuple[nn.Module, str, Tensor]]
+) -> dict[int, nn.Parameter]:
+    """Update index -> the folded float weight requantized in the format of the quantized weight it replaces."""
+    names = {id(m): n for n, m in modules}
+    out: dict[int, nn.Parameter] = {}
+    for i, (m, pname, value) in enumerate(updates):
+        if pname == "weight" and is_quantized_weight(m._parameters.get("weight")):
+            try:
+                out[i] = requantized(m, value)
+            except FoldError as exc:
+                raise FoldError(f"{names.get(id(m), type(m).__name__)}: {exc}") from exc
+    return out
+
+
+def _set_requantized(
+    modules: list[tuple[str, nn.Module]], updates: list[tuple[nn.Module, str, Tensor]], requant: dict[int, nn.Parameter]
+) -> None:
+    """Store the requantized weights; log what requantizing changed against the float fold (the format's rounding)."""
+    names = {id(m): n for n, m in modules}
+    for i, weight in requant.items():
+        m, _, value = updates[i]
+        set_quantized_weight(m, weight)
+        with torch.no_grad():
+            change = float((dequantized(m).float() - value.float()).abs().max())
+            scale = float(value.float().abs().max()) or 1.0
+        log.info(
+            "fold: %s requantized as %s: largest change against the float fold %.3g (%.2g of its largest entry)",
+            names.get(id(m), type(m).__name__),
+            type(weight).__name__,
+            change,
+            change / scale,
+        )
 
 
 @sees_through_wrappers
@@ -107,11 +145,13 @@ def fold(model: nn.Module, strict: bool = True) -> nn.Module:
         raise FoldError(
             f"fold produced non-finite values in {bad[:3]}; the KHA weights hold inf/NaN. Nothing was changed."
         )
+    requant = _requantized(modules, updates)  # a quantized weight: folded in float, stored in its own format
     # 2. commit: into the stored parameter (a KHA-parametrized attribute reads as the folded value)
-    targets = [(_stored(m, pname), value) for m, pname, value in updates]
+    targets = [(_stored(m, pname), value) for i, (m, pname, value) in enumerate(updates) if i not in requant]
     with torch.no_grad():
         for stored, value in targets:
             stored.copy_(value)
+    _set_requantized(modules, updates, requant)
     folded = 0
     for _, m in modules:
         linear_roles = foldable[id(m)]

@@ -20,8 +20,10 @@ kha_compile, transformers warns "Unknown quantization type, got kha_compile" and
 without its KHA; tools that refuse unknown quantization methods (serving engines, lm-evaluation-harness)
 refuse the directory instead of running it without its transforms. vLLM with kha_compile's plugin
 serves it with its KHA (:mod:`kha_compile.serving.vllm`). A real quantization config is never
-replaced: the ``kha_compile`` entry alone then records the KHA. ``kc.fold`` of a foldable model drops
-both entries, so its save is a vanilla checkpoint.
+replaced: ``quantization_config`` becomes kha_compile's entry with the real one kept under ``"wraps"``
+(:func:`compose_quantization`), so loaders that dispatch on it run kha_compile's method, which runs the
+real one inside it (transformers: :mod:`kha_compile.integrations.hf_quantizer`; vLLM: the plugin).
+``kc.fold`` of a foldable model drops both entries, so its save is a vanilla checkpoint.
 
 Directories written before the short name carry a sentence as ``quant_method`` (:data:`LEGACY_HINTS`,
 "kha_compile (not a quantization method): ..."); they still load, by both routes. A
@@ -47,12 +49,24 @@ from ..model.carrier import kha_modules
 from ..model.config import KHAConfig, config_of
 from .identity import identity_of
 from .names import canonical_name, is_kha_key
+from .quantization import (
+    CONFIG_KEY,
+    QUANT_METHOD,
+    WRAPS_KEY,
+    compose_quantization,
+    is_kha_quantization,
+    quantization_entry,
+    wrapped_quantization,
+)
+from .wrapped import unwrap_config, wrap_config, wrapped_entry
 
 __all__ = [
     "CONFIG_KEY",
     "HINT_KEY",
     "LEGACY_HINTS",
     "QUANT_METHOD",
+    "WRAPS_KEY",
+    "compose_quantization",
     "hf_model_dir",
     "is_hf_dir",
     "is_kha_quantization",
@@ -64,13 +78,12 @@ __all__ = [
     "record_in_dir",
     "records_kha",
     "stored_kha_keys",
+    "wrapped_quantization",
 ]
 
 log = logging.getLogger(__name__)
 
-CONFIG_KEY = "kha_compile"
 HINT_KEY = "quantization_config"  # the config.json entry transformers (and vLLM) dispatch loading on
-QUANT_METHOD = "kha_compile"  # kha_compile's quantization method in transformers and vLLM
 _OLD_HINT = (
     "kha_compile (not a quantization method): this checkpoint holds trained KHA (knocking-heads attention) "
     "transforms that transformers alone does not load, so the loaded model computes something other than "
@@ -107,28 +120,6 @@ def _own_config(model: nn.Module, cfg: object) -> object:
     return own
 
 
-def quantization_entry(entry: dict) -> dict:
-    """The ``quantization_config`` that records the KHA ``entry``: ``quant_method`` and the entry beside it.
-
-    Example::
-
-        quantization_entry({"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"})
-        # {"quant_method": "kha_compile", "version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"}
-    """
-    return {"quant_method": QUANT_METHOD, **{k: v for k, v in entry.items() if k != "quant_method"}}
-
-
-def is_kha_quantization(value: object) -> bool:
-    """True for kha_compile's ``quantization_config`` (a dict or transformers' config object; any version).
-
-    Example::
-
-        is_kha_quantization({"quant_method": "kha_compile", "v": "mlp"})        # True
-    """
-    method = value.get("quant_method") if isinstance(value, dict) else getattr(value, "quant_method", None)
-    return str(getattr(method, "value", method) or "").lower().startswith(CONFIG_KEY)
-
-
 def kha_entry(data: object) -> dict | None:
     """The KHA entry a transformers ``config.json`` (as a dict) records, or None when it records none.
 
@@ -146,7 +137,7 @@ def kha_entry(data: object) -> dict | None:
         return entry
     quant = data.get(HINT_KEY)
     if isinstance(quant, dict) and is_kha_quantization(quant) and "version" in quant:
-        return {k: v for k, v in quant.items() if k != "quant_method"}
+        return {k: v for k, v in quant.items() if k not in ("quant_method", WRAPS_KEY)}
     return None
 
 
@@ -170,22 +161,30 @@ def record_config(model: nn.Module) -> None:
             cfg = _own_config(model, cfg)
         entry = dict(config_of(model), **identity_of(model))
         setattr(cfg, CONFIG_KEY, entry)
-        if hint is None or is_kha_quantization(hint):  # a real quantization config stays as it is
-            setattr(cfg, HINT_KEY, quantization_entry(entry))
+        if hint is None or isinstance(hint, dict) or is_kha_quantization(hint):  # a real dict is kept inside
+            setattr(cfg, HINT_KEY, compose_quantization(entry, hint))
+        else:  # the real config object stays one (PEFT and the Trainer read it), and writes both
+            setattr(cfg, HINT_KEY, wrap_config(hint, entry))
         return
     if hasattr(cfg, CONFIG_KEY):
         delattr(cfg, CONFIG_KEY)
-    if is_kha_quantization(hint):
-        delattr(cfg, HINT_KEY)
+    if wrapped_entry(hint) is not None:
+        setattr(cfg, HINT_KEY, unwrap_config(hint))
+    elif is_kha_quantization(hint):
+        inner = wrapped_quantization(hint)
+        if inner is None:
+            delattr(cfg, HINT_KEY)
+        else:  # the base is still quantized: its own config is left
+            setattr(cfg, HINT_KEY, inner)
 
 
 def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
     """Record KHA in the transformers ``config.json`` of ``directory``, as ``model.save_pretrained`` would.
 
     Sets its ``kha_compile`` entry to ``entry`` and its ``quantization_config`` to
-    :func:`quantization_entry` of it (a real quantization config stays, with a warning), so loaders that
-    read config.json (transformers' ``from_pretrained``, vLLM and its plugin) know that the directory
-    holds KHA. Returns False, changing nothing, when ``directory`` holds no transformers config.json.
+    :func:`quantization_entry` of it (a real quantization config is kept inside it:
+    :func:`compose_quantization`), so loaders that read config.json (transformers' ``from_pretrained``,
+    vLLM and its plugin) know that the directory holds KHA. Returns False, changing nothing, when ``directory`` holds no transformers config.json.
 
     Example::
 
@@ -199,18 +198,13 @@ def record_in_dir(directory: pathlib.Path, entry: dict) -> bool:
     if not isinstance(data, dict) or "model_type" not in data:
         return False
     hint = data.get(HINT_KEY)
-    if data.get(CONFIG_KEY) == entry and hint == quantization_entry(entry):
+    want = compose_quantization(entry, hint)
+    if data.get(CONFIG_KEY) == entry and hint == want:
         return True  # written by model.save_pretrained of this model: nothing to add
     data[CONFIG_KEY] = dict(entry)
-    if hint is None or is_kha_quantization(hint):
-        data[HINT_KEY] = quantization_entry(entry)
-    else:
-        log.warning(
-            "%s has a quantization config of its own (%s); its KHA is recorded, but loaders that read "
-            "quantization_config will not see it",
-            path,
-            hint.get("quant_method") if isinstance(hint, dict) else hint,
-        )
+    data[HINT_KEY] = want
+    if WRAPS_KEY in want:
+        log.info("%s: KHA recorded around its quantization method %r", path, want[WRAPS_KEY]["quant_method"])
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     log.info("recorded KHA in %s", path)
     return True

@@ -32,7 +32,15 @@ from ...model.slots import HeadSlot
 from ...model.transforms import TransformKind, get_transform
 from .served import ServedAttention
 
-__all__ = ["CheckedLinearMethod", "KHAQKVMethod", "PlacementCheck"]
+__all__ = [
+    "CheckedLinearMethod",
+    "KHAQKVMethod",
+    "PlacementCheck",
+    "add_kha",
+    "check_bias_first",
+    "kha_params",
+    "transform_heads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +113,9 @@ class KHAQKVMethod(CheckedLinearMethod):
             params_dtype,
             **extra_weight_attrs,
         )
-        self.slots = _slots(layer)
-        kha = nn.Module()
-        for role, kind in self.kinds.items():
-            slot, values = self.slots[role], self.attention.tensors[role]
-            if any(tuple(t.shape) != (slot.head_dim, slot.head_dim) for t in values):
-                raise CheckpointError(
-                    f"{self.attention.prefix}: the KHA tensors of role {role} have shapes "
-                    f"{[tuple(t.shape) for t in values]}, but vLLM's layer has head size {slot.head_dim}."
-                )
-            holder = nn.Module()
-            for name, value in zip(kind.param_names, values):
-                param = nn.Parameter(value.detach().to(params_dtype).clone(), requires_grad=False)
-                param.weight_loader = _same_as_read(f"{self.attention.prefix}.{role}_proj.kha.{role}.{name}")  # type: ignore[attr-defined]
-                holder.register_parameter(name, param)
-            kha.add_module(role, holder)
-        layer.add_module("kha", kha)
+        self.slots = add_kha(layer, self.attention, self.kinds, params_dtype)
         self.running = [r for r, k in self.kinds.items() if not k.foldable]
-        if self.running and getattr(layer, "skip_bias_add", False) and getattr(layer, "bias", None) is not None:
-            raise ServingError(
-                f"{self.attention.prefix}: vLLM adds this QKV projection's bias after it (skip_bias_add), so a "
-                f"KHA transform that does not fold ({', '.join(self.running)}) cannot follow the bias there."
-            )
+        check_bias_first(layer, self.attention, self.running)
 
     def process_weights_after_loading(self, layer: Any) -> None:  # a vLLM QKVParallelLinear
         folded = [r for r in self.kinds if r not in self.running]
@@ -146,19 +135,63 @@ class KHAQKVMethod(CheckedLinearMethod):
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
         y = super().apply(layer, x, bias)  # (T, q + k + v) of this rank
-        for role in self.running:
-            slot, kind = self.slots[role], self.kinds[role]
-            width = slot.num_heads * slot.head_dim
-            seg = y[..., slot.offset : slot.offset + width]
-            heads = seg.reshape(*seg.shape[:-1], slot.num_heads, slot.head_dim)  # (T, H, Dh)
-            y[..., slot.offset : slot.offset + width] = kind.functional(heads, *self._params(layer, role)).reshape(
-                seg.shape
-            )
-        return y
+        return transform_heads(layer, y, self.running, self.kinds, self.slots)
 
     def _params(self, layer: nn.Module, role: str) -> list[Tensor]:
-        holder = getattr(layer.kha, role)
-        return [getattr(holder, p) for p in self.kinds[role].param_names]
+        return kha_params(layer, role, self.kinds[role])
+
+
+def add_kha(
+    layer: Any, attention: ServedAttention, kinds: dict[str, TransformKind], params_dtype: torch.dtype
+) -> dict[str, HeadSlot]:
+    """Give a fused QKV layer a ``kha`` child holding ``attention``'s KHA parameters; its head slots per role."""
+    slots = _slots(layer)
+    kha = nn.Module()
+    for role, kind in kinds.items():
+        slot, values = slots[role], attention.tensors[role]
+        if any(tuple(t.shape) != (slot.head_dim, slot.head_dim) for t in values):
+            raise CheckpointError(
+                f"{attention.prefix}: the KHA tensors of role {role} have shapes "
+                f"{[tuple(t.shape) for t in values]}, but vLLM's layer has head size {slot.head_dim}."
+            )
+        holder = nn.Module()
+        for name, value in zip(kind.param_names, values):
+            param = nn.Parameter(value.detach().to(params_dtype).clone(), requires_grad=False)
+            param.weight_loader = _same_as_read(f"{attention.prefix}.{role}_proj.kha.{role}.{name}")  # type: ignore[attr-defined]
+            holder.register_parameter(name, param)
+        kha.add_module(role, holder)
+    layer.add_module("kha", kha)
+    return slots
+
+
+def check_bias_first(layer: Any, attention: ServedAttention, running: list[str]) -> None:
+    """Refuse a layer whose bias vLLM adds after it when transforms run on its output."""
+    if running and getattr(layer, "skip_bias_add", False) and getattr(layer, "bias", None) is not None:
+        raise ServingError(
+            f"{attention.prefix}: vLLM adds this QKV projection's bias after it (skip_bias_add), so a "
+            f"KHA transform that does not fold ({', '.join(running)}) cannot follow the bias there."
+        )
+
+
+def kha_params(layer: nn.Module, role: str, kind: TransformKind) -> list[Tensor]:
+    """The KHA parameters of ``role`` that :func:`add_kha` gave ``layer``, in the kind's order."""
+    holder = getattr(layer.kha, role)
+    return [getattr(holder, p) for p in kind.param_names]
+
+
+def transform_heads(
+    layer: nn.Module, y: Tensor, roles: list[str], kinds: dict[str, TransformKind], slots: dict[str, HeadSlot]
+) -> Tensor:
+    """Run the KHA of ``roles`` on the head slices of a fused QKV output ``y`` (T, q + k + v), in place."""
+    for role in roles:
+        slot, kind = slots[role], kinds[role]
+        width = slot.num_heads * slot.head_dim
+        seg = y[..., slot.offset : slot.offset + width]
+        heads = seg.reshape(*seg.shape[:-1], slot.num_heads, slot.head_dim)  # (T, H, Dh)
+        y[..., slot.offset : slot.offset + width] = kind.functional(heads, *kha_params(layer, role, kind)).reshape(
+            seg.shape
+        )
+    return y
 
 
 def _same_as_read(name: str) -> Callable[..., None]:

@@ -9,7 +9,9 @@ reads and checks the directory's KHA (:func:`.served.read_served`, :func:`.serve
 before any layer exists, and :meth:`~KHAQuantConfig.get_quant_method` gives each fused QKV projection
 of an attention with KHA a :class:`.method.KHAQKVMethod`, every other linear layer vLLM's own method.
 ``LLM(model=dir, quantization="kha_compile")`` also works on a directory whose config.json names no
-quantization method (vLLM then reads ``kha_config.json``).
+quantization method (vLLM then reads ``kha_config.json``). On a quantized base (the real method's config
+kept under ``"wraps"``), the real method gives every layer its method and kha_compile's wraps them
+(:mod:`.composed`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear
+from vllm.model_executor.layers.quantization import get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.platforms import current_platform
 
 from ...core.errors import ServingError
 from ...store.format import CONFIG_NAME
-from ...store.hf import is_kha_quantization
+from ...store.hf import is_kha_quantization, wrapped_quantization
+from .composed import CheckedMethod, WrappedQKVMethod, wrap
 from .method import CheckedLinearMethod, KHAQKVMethod
 from .served import CPU_HEAD_SIZES, ServedModel, check_servable, read_served
 
@@ -66,17 +70,23 @@ class KHAQuantConfig(QuantizationConfig):
         LLM(model="out", quantization="kha_compile")      # or say it; vLLM then reads kha_config.json
     """
 
-    def __init__(self) -> None:
+    def __init__(self, base: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.served: ServedModel | None = None
         self.claimed: set[str] = set()
         self.checked = False
+        self.base = base  # the real quantization method's config, on a quantized base
 
     def get_name(self) -> str:
         return NAME
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
+        ours = [torch.float32, torch.bfloat16, torch.float16]
+        return ours if self.base is None else [d for d in ours if d in self.base.get_supported_act_dtypes()]
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        if self.base is not None:
+            self.base.apply_vllm_mapper(hf_to_vllm_mapper)
 
     @classmethod
     def get_min_capability(cls) -> int:
@@ -88,7 +98,18 @@ class KHAQuantConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> KHAQuantConfig:
-        return cls()  # everything comes from the directory (maybe_update_config)
+        real = wrapped_quantization(config)  # the KHA itself comes from the directory (maybe_update_config)
+        if real is None:
+            return cls()
+        method = str(real["quant_method"]).lower()
+        try:
+            real_cls = get_quantization_config(method)
+        except ValueError as exc:
+            raise ServingError(
+                f"this directory's base is quantized with {method!r}, which this vLLM does not know ({exc}); "
+                "kha_compile's plugin runs KHA around a quantization method vLLM runs."
+            ) from exc
+        return cls(real_cls.from_config(real))
 
     @classmethod
     def override_quantization_method(
@@ -127,19 +148,25 @@ class KHAQuantConfig(QuantizationConfig):
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+        real = None
+        if self.base is not None:
+            self.base.packed_modules_mapping = self.packed_modules_mapping  # the model set it on this config
+            real = self.base.get_quant_method(layer, prefix)
         if not isinstance(layer, LinearBase):
-            return None  # embeddings, attention, MoE experts: vLLM's own unquantized methods
+            return real  # embeddings, attention, MoE experts: vLLM's own methods, or the real method's
         served = self._served()
         attention, _, name = prefix.rpartition(".")
         if isinstance(layer, QKVParallelLinear) and attention in served.attentions:
             self.claimed.add(attention)
-            return KHAQKVMethod(self, served.attentions[attention])
+            if real is None:
+                return KHAQKVMethod(self, served.attentions[attention])
+            return wrap(WrappedQKVMethod, self, real, served.attentions[attention])
         if attention in served.attentions and name in {f"{r}_proj" for r in "qkv"}:
             raise ServingError(
                 f"vLLM builds {prefix} as {type(layer).__name__}, not a fused QKV projection; kha_compile's plugin "
                 f"puts KHA into vLLM's QKVParallelLinear only (architecture {served.architecture})."
             )
-        return CheckedLinearMethod(self)
+        return CheckedLinearMethod(self) if real is None else wrap(CheckedMethod, self, real)
 
     def check_placed(self) -> None:
         """Raise unless every attention with KHA in the directory got a KHA QKV method (runs once)."""

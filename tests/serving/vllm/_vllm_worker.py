@@ -9,6 +9,7 @@ Job kinds, run in the order given, each isolated (an error is a result, never th
 - ``refuse``: ``vllm.LLM(...)`` must raise before generating; the result is the error's type and message
   (``old_vllm``: the plugin is registered again as on a vLLM older than it needs; ``no_plugins``: vLLM
   loads no plugin, as where kha_compile is not installed; only as the first job);
+- ``quantize``: compressed-tensors quantization of a directory into another (serve_quantize.py);
 - ``hf``: kha_compile on this environment's transformers: ``kc.load_pretrained`` of the directory into
   ``AutoModelForCausalLM.from_pretrained(dir)`` and greedy ``generate``.
 
@@ -38,20 +39,25 @@ def _broken(role: str | None):
     if not role:
         yield
         return
-    from kha_compile.serving.vllm import method
+    from kha_compile.serving.vllm import composed, method
 
-    original = method.KHAQKVMethod.process_weights_after_loading
+    def dropping(original):
+        def process(self, layer):
+            self.kinds = {r: k for r, k in self.kinds.items() if r != role}
+            self.running = [r for r in self.running if r != role]
+            return original(self, layer)
 
-    def dropping(self, layer):
-        self.kinds = {r: k for r, k in self.kinds.items() if r != role}
-        self.running = [r for r in self.running if r != role]
-        return original(self, layer)
+        return process
 
-    method.KHAQKVMethod.process_weights_after_loading = dropping
+    classes = (method.KHAQKVMethod, composed.WrappedQKVMethod)  # on a plain base, on a quantized one
+    originals = [c.process_weights_after_loading for c in classes]
+    for cls, original in zip(classes, originals):
+        cls.process_weights_after_loading = dropping(original)
     try:
         yield
     finally:
-        method.KHAQKVMethod.process_weights_after_loading = original
+        for cls, original in zip(classes, originals):
+            cls.process_weights_after_loading = original
 
 
 @contextlib.contextmanager
@@ -116,7 +122,15 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
             started = time.perf_counter() - start
         first = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(prompts, params, use_tqdm=False)  # the shared prefix is in the cache now
-        return {
+        extra = {}
+        if job.get("logprobs"):
+            scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            scored = llm.generate(prompts, scoring, use_tqdm=False)
+            extra["logprobs"] = [
+                [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p["prompt_token_ids"][1:])]
+                for o, p in zip(scored, prompts)
+            ]
+        return extra | {
             "quantization": llm.llm_engine.model_config.quantization,
             "tokens": [list(o.outputs[0].token_ids) for o in first],
             "again": [list(o.outputs[0].token_ids) for o in again],
@@ -168,11 +182,17 @@ def _hf(job: dict[str, Any]) -> dict[str, Any]:
     return {"runs": greedy(model, job["prompts"], job["new_tokens"]), "transformers": transformers.__version__}
 
 
+def _quantize(job: dict[str, Any]) -> dict[str, Any]:
+    from serve_quantize import quantize
+
+    return quantize(job["model"], job["out"], job.get("scheme", "W8A8"))
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
     results: dict[str, Any] = {}
-    run = {"generate": _generate, "refuse": _refuse, "hf": _hf}
+    run = {"generate": _generate, "refuse": _refuse, "hf": _hf, "quantize": _quantize}
     for job in jobs:
         start = time.perf_counter()
         try:
