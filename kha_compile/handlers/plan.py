@@ -16,6 +16,7 @@ from typing import cast
 
 from torch import nn
 
+from ..analysis.compression import compression_note
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
 from ..analysis.rules.base import form_note
@@ -144,6 +145,11 @@ def build_sites(
                 h.describe(model, {r: raw.roles[r] for r in shown if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
             ]
+            notes.append(
+                _renamed(
+                    compression_note({r: m.compressed_by for r, m in raw.roles.items() if m.compressed_by}), rename
+                )
+            )
             if merged:
                 notes.append(
                     f"heads split over several attention calls: {', '.join(sorted(merged))} share one transform "
