@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forms_zoo import DH, D, H, lin
-from forms_zoo_more import shared_kha
+from forms_zoo_more import Head, HeadModulesBlock, HeadModulesNet, shared_kha
 
 # ---- form 3: compressed, selected and sliding-window branches over one grouped qkv ----------------
 
@@ -235,3 +235,18 @@ class SoftmaxGatedUnitNet(GatedUnitNet):
 
 class ProductGatedUnitNet(GatedUnitNet):
     unit = ProductGatedUnit
+
+
+# ---- behaviour B: ten or more heads as separate modules (two-digit indices) ----------------------
+
+
+def many_heads_net(n: int) -> type[nn.Module]:
+    """Two blocks of ``n`` heads as modules (``heads.0`` ... ``heads.{n-1}``), outputs concatenated."""
+
+    class ManyHeadsBlock(HeadModulesBlock):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.heads = nn.ModuleList([Head() for _ in range(n)])
+            self.o = nn.Linear(n * DH, D)
+
+    return type(f"Heads{n}Net", (HeadModulesNet,), {"block": ManyHeadsBlock})
