@@ -237,7 +237,7 @@ class ProductGatedUnitNet(GatedUnitNet):
     unit = ProductGatedUnit
 
 
-# ---- behaviour B: ten or more heads as separate modules (two-digit indices) ----------------------
+# ---- behaviour B: heads as separate modules with two-digit indices (11 or more heads) ---------
 
 
 def many_heads_net(n: int) -> type[nn.Module]:
