@@ -20,7 +20,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import Node
@@ -30,8 +32,9 @@ from .layout import LAYOUT_OPS, shape_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph import MatchGraph, Projection
+    from .match import RawSite
 
-__all__ = ["compressed_input", "merges_blocks"]
+__all__ = ["behind_compression", "compressed_input", "compression_note", "merges_blocks"]
 
 aten = torch.ops.aten
 
@@ -80,6 +83,28 @@ def compressed_input(g: MatchGraph, proj: Projection, scope: str, depth: int = 1
             return None
         node = ins[0]
     return None
+
+
+def behind_compression(
+    g: MatchGraph, site: RawSite, scope: str, walk: Callable[..., tuple[list[Any], list[str]]]
+) -> None:
+    """Roles of ``site`` read through a compression MLP: their match moves to the projection behind it.
+
+    ``walk(g, role, node, dim, projection, axis, passed)`` is the match's walk from a projection to a
+    role's node (``(matches, reasons)``). The role then gets its one transform right after the real
+    projection (which the site's other branches read too), not a second one on the MLP's output.
+    """
+    for role, m in list(site.roles.items()):
+        src = compressed_input(g, m.projection, scope)
+        dim = (shape_of(src) or (0,))[-1] if src is not None else 0
+        if src is None or site.joint.get(role) or dim != m.head_map.head_dim:
+            continue  # blocks of head vectors compressed into head vectors of the same size, nothing else
+        projs, _ = g.find_projections(src)
+        own = [p for p in projs if p.module_path == scope or p.module_path.startswith(scope + ".")]
+        found = [x for p in own for x in walk(g, role, src, dim, p, -1, set())[0]]
+        if len(found) == 1:
+            mlp = m.projection.module_path.rpartition(".")[0] or m.projection.module_path
+            site.roles[role] = dataclasses.replace(found[0], compressed_by=mlp)
 
 
 def compression_note(by: dict[str, str]) -> str:

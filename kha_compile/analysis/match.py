@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from .attention_calls import AttentionArg
 from .completeness import unclaimed
-from .compression import compressed_input
+from .compression import behind_compression
 from .describe import op_words
 from .graph import (
     ALLOC_OPS,
@@ -401,23 +401,6 @@ def _match_roles(g: MatchGraph, anchor: Anchor, site: RawSite, unprojected: set[
     return problems
 
 
-def _behind_compression(g: MatchGraph, site: RawSite, scope: str) -> None:
-    """Roles read through a compression MLP (block by block, :mod:`.compression`): the projection behind it.
-
-    The role's match moves to the head vectors the MLP reads, so its one transform sits right after the
-    real projection (which the site's other branches read too), not a second one on the MLP's output."""
-    for role, m in list(site.roles.items()):
-        src = compressed_input(g, m.projection, scope)
-        if src is None or site.joint.get(role):
-            continue
-        dim = (shape_of(src) or (0,))[-1]
-        projs, _ = g.find_projections(src)
-        found = [x for p in projs for x in _walk_role(g, role, src, dim, p, -1, set())[0]]
-        if len(found) == 1:
-            mlp = m.projection.module_path.rpartition(".")[0] or m.projection.module_path
-            site.roles[role] = dataclasses.replace(found[0], compressed_by=mlp)
-
-
 def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]:
     """Every attention site in the graph, matched or with the reason it was skipped.
 
@@ -453,7 +436,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             continue
         if problems:
             site.reason = "; ".join(problems)
-        _behind_compression(g, site, name)
+        behind_compression(g, site, name, _walk_role)  # a compression MLP's blocks: the projection behind it
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
             site.mla = (
