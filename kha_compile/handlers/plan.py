@@ -86,7 +86,10 @@ def build_sites(
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
         note = MLA_NOTE if kind == "mla" else heads_note(raw) or form_note(raw.anchor)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
-            kinds = {r: _foldable(k) for r, k in kinds.items()}
+            asked, kinds = kinds, {r: _foldable(k) for r, k in kinds.items()}
+            if swapped := [f"{r}={asked[r]!r} asked, {k!r} put" for r, k in kinds.items() if k != asked[r]]:
+                note = f"{note}; {', '.join(swapped)}"
+                log.warning("%s (MLA): %s; MLP-value would break weight absorption", raw.name, ", ".join(swapped))
         slots: dict[str, HeadSlot] = {}
         for r in kinds:
             handler = handlers[r][0]

@@ -18,6 +18,7 @@ import forms_zoo_compress as fc
 import kha_compile as kc
 from form_checks import check_form
 from helpers import kha_params, perturb
+from kha_compile.passes.apply import recorded_report
 
 B, D = 2, fc.D
 S = 40  # more tokens than d_model (32)
@@ -124,3 +125,18 @@ def test_heads_as_modules_with_two_digit_indices_are_one_site(n):
         heads = blk.heads
         assert all(heads[h].v.kha["v"] is heads[0].v.kha["v"] for h in range(n))
         assert all(heads[h].k.kha["k"] is heads[0].k.kha["k"] for h in range(n))
+
+
+def test_mla_says_when_it_puts_a_linear_value_transform_for_mlp_value(caplog):
+    """Real MLA keeps linear KHA only (weight absorption): asked for MLP-value, the report's transforms say
+    linear, its note says what was asked and what was put, and a warning says it too."""
+    import zoo
+
+    case = zoo.make("deepseek_v3")
+    with caplog.at_level("WARNING", logger="kha_compile.handlers.plan"):
+        kc.apply(case.model, kc.KHAConfig())
+    assert kc.inspect(case.model).matched[0].transforms == {"v": "linear"}
+    site = recorded_report(case.model).matched[0]  # what apply did, with the config it was asked for
+    assert (site.kind, site.transforms) == ("mla", {"v": "linear"})
+    assert "v='mlp' asked, 'linear' put" in site.note
+    assert "v='mlp' asked, 'linear' put" in caplog.text
