@@ -357,6 +357,28 @@ FORMS += [
     ]
 ]
 
+COMPRESS = "tests/integrations/test_attention_forms_compress.py"
+FORMS += [
+    Form(name, rule, rf"{COMPRESS}::test_form_matches_a_per_head_reference\[{case}", "-", "CPU and GPU")
+    for name, rule, case in [
+        (
+            "compressed, selected and sliding-window branches over one grouped qkv (native sparse attention): keys "
+            "and values compressed block by block by a learned MLP; one transform per role after the projection, "
+            "which every branch reads",
+            "manual_softmax / sdpa",
+            "compressed_selected_window_branches",
+        ),
+        (
+            "single-head gated attention unit: q and k from one projection and activation through a scale and an "
+            "offset per role, Laplace (erf) or softmax, relative position bias, causal zeroing; the value a Linear "
+            "then an activation; T^Q, T^K on the attention arguments, not foldable",
+            "linear_attention / einsum_softmax",
+            "gated_unit",
+        ),
+        ("heads as separate modules, eleven of them (`heads.10`: two-digit indices)", "manual_softmax", "eleven_heads"),
+    ]
+]
+
 LINEAR = "tests/analysis/rules/test_linear_attention.py::test_kha_on_attention_without_softmax_matches_the_per_head_reference"
 HYBRID = "tests/integrations/test_hybrid_linear_attention.py"
 FAVOR = "tests/analysis/test_random_features.py::test_kha_on_random_feature_attention_matches_the_per_head_reference"

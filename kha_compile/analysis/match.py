@@ -23,6 +23,7 @@ from torch.fx import Node
 
 from .attention_calls import AttentionArg
 from .completeness import unclaimed
+from .compression import behind_compression
 from .describe import op_words
 from .graph import (
     ALLOC_OPS,
@@ -80,6 +81,7 @@ class RoleMatch:
     at_attention: AttentionArg | None = None
     shares: tuple[str, ...] = ()  # the roles reading these features, this one included ("q", "k")
     shares_calls: bool = False  # ... through different calls of the projection
+    compressed_by: str = ""  # the MLP that compresses the role's head vectors block by block (.compression)
 
 
 @dataclasses.dataclass
@@ -436,6 +438,7 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
             continue
         if problems:
             site.reason = "; ".join(problems)
+        behind_compression(g, site, name, _walk_role)  # a compression MLP's blocks: the projection behind it
         if set(site.roles) == {"q", "k", "v"}:
             q, k, v = (site.roles[r] for r in "qkv")
             site.mla = (

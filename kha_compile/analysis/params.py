@@ -140,9 +140,11 @@ def projection_info(node: Node) -> list[tuple[Node, Node, tuple[int, ...], Tenso
                 )
             except NotLayout:
                 return []
-            wspec = specs[wi]
+            wspec, xspec = specs[wi], specs[1 - wi]
             if len(set(wspec)) != len(wspec):
                 continue
+            if not any(c in xspec and c not in out for c in wspec):
+                continue  # nothing contracted: a per-feature scale (a gated unit's gamma), not a projection
             axes = tuple(i for i, c in enumerate(wspec) if c in out)
             cands.append((x, w, axes, _einsum_index(wspec, ws, axes, out, out_shape)))
         return cands

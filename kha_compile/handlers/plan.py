@@ -16,6 +16,7 @@ from typing import cast
 
 from torch import nn
 
+from ..analysis.compression import compression_note
 from ..analysis.layout import slot_from_map
 from ..analysis.match import RawSite, RoleMatch
 from ..analysis.one_score import tied_kinds, tied_note
@@ -86,7 +87,10 @@ def build_sites(
         kinds: dict[str, str] = {r: k for r, k in cfg.roles().items()} if cfg is not None else {}
         note = MLA_NOTE if kind == "mla" else heads_note(raw) or form_note(raw.anchor)
         if kind == "mla":  # weight absorption needs linear transforms: each kind's foldable stand-in
-            kinds = {r: _foldable(k) for r, k in kinds.items()}
+            asked, kinds = kinds, {r: _foldable(k) for r, k in kinds.items()}
+            if swapped := [f"{r}={asked[r]!r} asked, {k!r} put" for r, k in kinds.items() if k != asked[r]]:
+                note = f"{note}; {', '.join(swapped)}"
+                log.warning("%s (MLA): %s; MLP-value would break weight absorption", raw.name, ", ".join(swapped))
         tie_role, tie_why = "", ""
         if raw.tied:  # one score matrix read both ways: T^Q and T^K are one transform (analysis.one_score)
             kinds, tie_role, tie_why = tied_kinds(kinds)
@@ -154,6 +158,11 @@ def build_sites(
                 h.describe(model, {r: raw.roles[r] for r in shown if handlers[r][0] is h}, rename)
                 for h in {id(h): h for h, _ in handlers.values() if h is not None}.values()
             ]
+            notes.append(
+                _renamed(
+                    compression_note({r: m.compressed_by for r, m in raw.roles.items() if m.compressed_by}), rename
+                )
+            )
             if merged:
                 notes.append(
                     f"heads split over several attention calls: {', '.join(sorted(merged))} share one transform "

@@ -5,7 +5,7 @@ and bias b, ``x -> x @ T`` after the projection equals the projection with
 
     W[R_h] <- T^T W[R_h]        b[R_h] <- b[R_h] T        (docs/method.md, "Folding")
 
-computed in float32 and cast back. Nothing is written: callers commit the returned tensors.
+computed in float32 (float64 when the weight or T is float64) and cast back. Nothing is written: callers commit the returned tensors.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def fold_rows(
         w2, b2 = fold_rows(lin.weight, lin.bias, HeadSlot("v", 0, 4, 16, 16), T, axis=0)
     """
     keep = (lambda x: x.detach()) if detach else (lambda x: x)
-    t32 = _float32(keep(t))
-    w = _float32(keep(weight))
+    wide = torch.promote_types(torch.promote_types(t.dtype, weight.dtype), torch.float32)
+    t32 = _at_least_float32(keep(t), wide)
+    w = _at_least_float32(keep(weight), wide)
     H, Dh = slot.num_heads, slot.head_dim
     whole = slot.rows is None and slot.offset == 0 and slot.head_stride == Dh and H * Dh == w.shape[axis]
     if whole:  # every row/column is a head's, in order
@@ -51,7 +52,7 @@ def fold_rows(
             w = w.index_copy(1, idx, w_new)
     b = None
     if bias is not None:
-        b32 = _float32(keep(bias))
+        b32 = _at_least_float32(keep(bias), wide)
         b_role = b32 if idx is None else b32.index_select(0, idx)  # (H*Dh,)
         b_new = (b_role.reshape(H, Dh) @ t32).reshape(-1)  # b[R_h] <- b[R_h] T
         b = b_new if idx is None else b32.index_copy(0, idx, b_new)
@@ -59,8 +60,9 @@ def fold_rows(
     return (w if w.dtype == weight.dtype else w.to(weight.dtype)), b
 
 
-def _float32(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 else x.to(torch.float32)
+def _at_least_float32(x: Tensor, wide: torch.dtype) -> Tensor:
+    """``x`` in ``wide``: float32, or float64 where the fold's inputs are (a float64 model folds in float64)."""
+    return x if x.dtype == wide else x.to(wide)
 
 
 def projection_output(y: object, out_features: int | None) -> int | None:
