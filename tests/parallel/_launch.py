@@ -13,8 +13,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run ``tests/parallel/<script>`` on ``nproc`` ranks; the repo root comes first on PYTHONPATH."""
+def torchrun(
+    script: str, nproc: int, *args: str, timeout: int = 120, python: str = sys.executable
+) -> subprocess.CompletedProcess:
+    """Run ``tests/parallel/<script>`` on ``nproc`` ranks with ``python``; the repo root comes first on PYTHONPATH."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
     env = {
@@ -23,7 +25,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 120) -> subproc
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--standalone",
