@@ -33,7 +33,9 @@ else
 fi
 if [ "$_kha_need" = 1 ]; then
     echo "Installing $KHA_TORCH and kha-compile[$KHA_EXTRAS] into $KHA_VENV" >&2
-    _kha_pip=("$KHA_VENV/bin/python" -m pip --disable-pip-version-check -q)
+    # --no-compile: pip would byte-compile every module of every package (transformers alone: 8 CPU-s, over a
+    # minute on a busy machine); Python compiles, once, only what is imported, and caches it the same way
+    _kha_pip=("$KHA_VENV/bin/python" -m pip --disable-pip-version-check -q --no-compile)
     "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" "$KHA_TORCH"
     "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" -e "$KHA_ROOT[$KHA_EXTRAS]"
     # timm (the timm sweep) goes in without its dependencies: it requires torchvision, which pip would take

@@ -25,7 +25,7 @@ if [ "$VERSION" = "--tested" ]; then
 fi
 TORCH_PIN="$(grep -E '^torch==' "$ROOT/constraints.txt")"
 ACCELERATE_PIN="$(grep -E '^accelerate==' "$ROOT/constraints.txt")"
-PIP_OPTS=(--disable-pip-version-check -q --retries 1 --timeout 60)
+PIP_OPTS=(--disable-pip-version-check -q --no-compile --retries 1 --timeout 60)  # --no-compile: see _venv.sh
 RECIPE=1  # bump when the way the environment is built changes
 
 CACHE="${KHA_HF_CACHE:-$HOME/.cache/kha_compile}"

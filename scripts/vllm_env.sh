@@ -25,7 +25,7 @@ TORCH_PIN="torch==2.13.0+cpu"
 # never in the environment: they do not load beside the CPU torch (transformers imports torchvision
 # when present), and triton is only for xgrammar's GPU kernels (1 GB)
 DROP="torchvision torchaudio torchcodec triton"
-PIP_OPTS=(--disable-pip-version-check -q --retries 1 --timeout 60)
+PIP_OPTS=(--disable-pip-version-check -q --no-compile --retries 1 --timeout 60)  # --no-compile: see _venv.sh
 RECIPE=1  # bump when the way the environment is built changes (the hash covers the lock and this)
 
 if [ -n "${KHA_VLLM_ENV:-}" ]; then
