@@ -25,7 +25,7 @@ if [ "$VERSION" = "--tested" ]; then
 fi
 TORCH_PIN="$(grep -E '^torch==' "$ROOT/constraints.txt")"
 ACCELERATE_PIN="$(grep -E '^accelerate==' "$ROOT/constraints.txt")"
-PIP_OPTS=(--disable-pip-version-check -q --no-compile --retries 1 --timeout 60)  # --no-compile: see _venv.sh
+PIP_OPTS=(--disable-pip-version-check -q --retries 1 --timeout 60)
 RECIPE=1  # bump when the way the environment is built changes
 
 CACHE="${KHA_HF_CACHE:-$HOME/.cache/kha_compile}"
@@ -45,8 +45,8 @@ if [ ! -f "$STAMP" ]; then
         start=$SECONDS
         if ! {
             python3 -m venv "$ENV" \
-                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install "$TORCH_PIN" \
-                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install "$TORCH_PIN" "transformers==$VERSION" \
+                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile "$TORCH_PIN" \
+                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile "$TORCH_PIN" "transformers==$VERSION" \
                     "$ACCELERATE_PIN" safetensors numpy rich \
                 && "$ENV/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
         } >"$log" 2>&1; then
