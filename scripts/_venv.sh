@@ -36,21 +36,23 @@ else
 fi
 if [ "$_kha_need" = 1 ]; then
     echo "Installing $KHA_TORCH and kha-compile[$KHA_EXTRAS] into $KHA_VENV" >&2
+    # --no-compile: pip would byte-compile every module of every package (transformers alone: 8 CPU-s, over a
+    # minute on a busy machine); Python compiles, once, only what is imported, and caches it the same way
     _kha_pip=("$KHA_VENV/bin/python" -m pip --disable-pip-version-check -q)
     if [ -n "$KHA_TORCH_INDEX" ]; then
         # torch alone (its dependencies come next, from the registry); a short timeout and no retries, so an
         # index this machine cannot reach costs seconds, not pip's minutes of retries
-        "${_kha_pip[@]}" install --no-deps --index-url "$KHA_TORCH_INDEX" --timeout 5 --retries 0 "$KHA_TORCH" ||
+        "${_kha_pip[@]}" install --no-compile --no-deps --index-url "$KHA_TORCH_INDEX" --timeout 5 --retries 0 "$KHA_TORCH" ||
             echo "note: $KHA_TORCH_INDEX did not answer; $KHA_TORCH comes from the package registry" >&2
     fi
-    "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" "$KHA_TORCH"  # (its dependencies, or torch itself)
-    "${_kha_pip[@]}" install -c "$KHA_ROOT/constraints.txt" -e "$KHA_ROOT[$KHA_EXTRAS]"
+    "${_kha_pip[@]}" install --no-compile -c "$KHA_ROOT/constraints.txt" "$KHA_TORCH"  # (its dependencies, or torch itself)
+    "${_kha_pip[@]}" install --no-compile -c "$KHA_ROOT/constraints.txt" -e "$KHA_ROOT[$KHA_EXTRAS]"
     # timm (the timm sweep) goes in without its dependencies: it requires torchvision, which pip would take
     # from the registry and which does not load beside the CPU torch (transformers breaks too); its other
     # requirements are in the extras. If it cannot install, the set-up goes on and the timm tests skip.
     case " ${KHA_EXTRAS//,/ } " in
     *" test "* | *" sweep "* | *" dev "*)
-        "${_kha_pip[@]}" install --no-deps -c "$KHA_ROOT/constraints.txt" timm ||
+        "${_kha_pip[@]}" install --no-compile --no-deps -c "$KHA_ROOT/constraints.txt" timm ||
             echo "warning: timm did not install (pip install --no-deps timm); the timm sweep tests will skip" >&2
         ;;
     esac

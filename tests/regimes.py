@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,6 +77,14 @@ class Run:
     margins: Tensor  # top-2 logit margin of every generated token
 
 
+@functools.cache
+def _applied(arch: str, kinds: tuple[tuple[str, str], ...]) -> nn.Module:
+    """``zoo.make(arch)`` with KHA applied at identity init: traced once per process, :func:`pair` copies it."""
+    made = zoo.make(arch).model.train()
+    kc.apply(made, kc.KHAConfig(**dict(kinds)))
+    return made
+
+
 def pair(
     arch: str, kinds: dict[str, str], *, seed: int | None = 1, drop: tuple[str, ...] = (), device: str = "cpu"
 ) -> tuple[nn.Module, HandKHA, nn.Module]:
@@ -84,8 +93,10 @@ def pair(
     ``seed=None``: KHA at its identity init (not perturbed). ``device``: where the two models train.
     """
     untouched = zoo.make(arch).model.train()
-    made = copy.deepcopy(untouched)
-    kc.apply(made, kc.KHAConfig(**kinds))
+    made = copy.deepcopy(_applied(arch, tuple(sorted(kinds.items()))))
+    base = {k: v for k, v in made.state_dict().items() if ".kha." not in f".{k}"}
+    assert base.keys() == untouched.state_dict().keys(), "the cached pass-made model is not of this architecture"
+    assert all(torch.equal(v, untouched.state_dict()[k]) for k, v in base.items()), "zoo.make is not seeded"
     if seed is not None:
         perturb(made, seed=seed, scale=0.2)
     hand = HandKHA(copy.deepcopy(untouched), kinds, drop=drop).load(made.state_dict())

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 
 def sharded_parts(model: nn.Module, limit: int = 3) -> list[str]:
-    """Up to ``limit`` descriptions of what makes ``model`` sharded: FSDP2 modules and DTensor parameters."""
+    """Up to ``limit`` descriptions of what makes ``model`` sharded: FSDP2 modules, DTensor parameters, and
+    modules that transformers' tensor parallel left holding plain local shards (the releases that shard so)."""
     found: list[str] = []
     fsdp = loaded("torch.distributed.fsdp")  # no FSDP2 module exists before it is imported
     for name, m in model.named_modules():
@@ -64,6 +65,14 @@ def sharded_parts(model: nn.Module, limit: int = 3) -> list[str]:
     for name, p in model.named_parameters():
         if is_dtensor(p):
             found.append(f"DTensor parameter {name} {tuple(p.placements)}")  # type: ignore[attr-defined]
+            if len(found) >= limit:
+                return found
+    for name, m in model.named_modules():
+        # transformers releases that shard with local tensors (5.x before DTensor weights came back, e.g. 5.15)
+        # mark each sharded module with its style and mesh; its weight is then a plain tensor of local rows
+        style = m.__dict__.get("_hf_tp_plan")
+        if style is not None and "_hf_device_mesh" in m.__dict__ and not any(map(is_dtensor, m.parameters(False))):
+            found.append(f"module {name} holds a local shard ({style!r}, transformers' tensor parallel)")
             if len(found) >= limit:
                 break
     return found

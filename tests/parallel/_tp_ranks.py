@@ -6,6 +6,8 @@ torchrun --standalone --nproc_per_node=4 tests/parallel/_tp_ranks.py fsdp_tp
 
 from __future__ import annotations
 
+import copy
+import functools
 import sys
 
 import torch
@@ -75,6 +77,15 @@ def tiny_neox():
 
 
 def make(name, cfg, **llama):
+    """``name`` with KHA (``cfg``) and trained-like KHA weights: a copy of the one traced in this process."""
+    model = copy.deepcopy(_applied(name, cfg, tuple(sorted(llama.items()))))
+    perturb(model)
+    return model
+
+
+@functools.cache
+def _applied(name, cfg, llama):
+    llama = dict(llama)
     if name == "gpt_neox":
         model = tiny_neox()
     elif llama:
@@ -86,7 +97,6 @@ def make(name, cfg, **llama):
         model = tiny.make(name)
     model.train()
     kc.apply(model, cfg)
-    perturb(model)
     return model
 
 

@@ -9,12 +9,12 @@ with nothing changed; a DCP save/load round trip, gathered and folded, gives the
 from __future__ import annotations
 
 import pytest
-from _launch import expect, torchrun
+from _launch import expect, torchrun_once
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    return torchrun("_fsdp_ranks.py", 2, str(tmp_path_factory.mktemp("fsdp")))
+    return torchrun_once(tmp_path_factory, "fsdp", "_fsdp_ranks.py", 2, "{out}")
 
 
 def test_ddp_after_apply_matches_single_process(fsdp_run):

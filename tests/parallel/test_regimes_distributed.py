@@ -7,14 +7,14 @@ MLP-value KHA, per-rank batches; losses, no_grad logits and greedy tokens compar
 from __future__ import annotations
 
 import pytest
-from _launch import expect, torchrun
+from _launch import expect, torchrun_once
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def regimes_run():
-    return torchrun("_regime_ranks.py", 2, timeout=600)
+def regimes_run(tmp_path_factory):
+    return torchrun_once(tmp_path_factory, "regimes", "_regime_ranks.py", 2, timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])

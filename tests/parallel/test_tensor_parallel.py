@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _launch import expect, torchrun
+from _launch import expect, torchrun, torchrun_once
 
 from kha_compile.cli import tiny
 from kha_compile.core.errors import TensorParallelError
@@ -22,7 +22,7 @@ from kha_compile.parallel.plans import torch_plan
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    return torchrun("_tp_ranks.py", 2, "tp", str(tmp_path_factory.mktemp("tp") / "kha"))
+    return torchrun_once(tmp_path_factory, "tp", "_tp_ranks.py", 2, "tp", "{out}/kha")
 
 
 def test_mlp_value_dtensor_rule(tp_run):

@@ -11,14 +11,14 @@ that works (the tp_plan case: tests/parallel/test_tensor_parallel.py). See ``_hf
 from __future__ import annotations
 
 import pytest
-from _launch import expect, torchrun
+from _launch import expect, torchrun_once
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
-    return torchrun("_hf_parallel_ranks.py", 2, str(tmp_path_factory.mktemp("hf_parallel")), timeout=300)
+    return torchrun_once(tmp_path_factory, "hf_parallel", "_hf_parallel_ranks.py", 2, "{out}", timeout=300)
 
 
 def test_kha_before_transformers_tensor_parallel_trains_like_one_process(hf_run):
