@@ -66,8 +66,8 @@ def load_float(path: str) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path)
 
 
-def load_quantized(path: str, kind: str) -> nn.Module:
-    """The model at ``path`` on the quantized base ``kind`` (one of :data:`KINDS`)."""
+def load_quantized(path: str, kind: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model at ``path`` on the quantized base ``kind`` (one of :data:`KINDS`), in ``dtype`` (default: as saved)."""
     from transformers import AutoModelForCausalLM
 
     skip_without(kind)
@@ -77,11 +77,11 @@ def load_quantized(path: str, kind: str) -> nn.Module:
         if kind == "bnb-int8":
             qc = BitsAndBytesConfig(load_in_8bit=True)
         else:
-            qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind[4:])
-        return AutoModelForCausalLM.from_pretrained(path, quantization_config=qc)
+            qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind[4:], bnb_4bit_compute_dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, dtype=dtype or "auto")
     from torchao.quantization import quantize_
 
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
     quantize_(model, torchao_config(kind))
     return model
 

@@ -42,6 +42,8 @@ class PlanEntry:
     # joint streams: role -> the module path whose transform this projection shares (not registered here)
     borrow: dict[str, str] = dataclasses.field(default_factory=dict)
     borrowed: Any = dataclasses.field(default=None, repr=False)  # set by insert: the KHATransforms shared
+    # set by insert: the model's floating dtype, for a quantized linear that does not tell its compute dtype
+    model_dtype: Any = dataclasses.field(default=None, repr=False)
 
 
 def owner_of(model: nn.Module, m: RoleMatch) -> nn.Module | None:
@@ -156,6 +158,7 @@ class ModuleProjectionHandler(ProjectionHandler):
             strategy=entry.strategy,
             transforms=entry.borrowed,
             borrowed=entry.borrowed is not None,
+            quantized_dtype=entry.model_dtype,
         )
 
     def detach(self, module: nn.Module) -> None:

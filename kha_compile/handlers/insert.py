@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from ..core.quantized import is_quantized_weight
 from ..model.carrier import KHATransforms, transforms_of
 from . import PlanEntry, get_handler
 
@@ -19,6 +21,7 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
         insert(model, plan)
     """
     count = 0
+    dtype = _model_dtype(model)
     for entry in sorted(plan, key=lambda e: bool(e.borrow)):  # owners first: borrowers share their transforms
         module = model.get_submodule(entry.module_path)
         parent_path = entry.module_path.rpartition(".")[0]
@@ -27,6 +30,15 @@ def insert(model: nn.Module, plan: list[PlanEntry]) -> int:
             entry.borrowed = KHATransforms(
                 {r: transforms_of(model.get_submodule(owner))[r] for r, owner in entry.borrow.items()}
             )
+        entry.model_dtype = dtype
         get_handler(entry.handler).attach(module, entry)
         count += len(entry.kinds) - len(entry.borrow)
     return count
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter that is not stored quantized (its embeddings, norms)."""
+    for p in model.parameters():
+        if p.is_floating_point() and not is_quantized_weight(p):
+            return p.dtype
+    return None

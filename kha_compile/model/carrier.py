@@ -317,6 +317,7 @@ def attach(
     mixin: type = KHAProjection,
     transforms: KHATransforms | None = None,
     borrowed: bool = False,
+    quantized_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Turn ``module`` into a KHA projection in place; transforms match its weight's dtype and device.
 
@@ -324,7 +325,9 @@ def attach(
     :func:`~kha_compile.model.rows.weight_out_axis`). ``transforms``: existing ones to carry (PEFT's
     unload moves them between modules) instead of new ones at identity. ``borrowed``: the transforms
     are another projection's (joint streams share one per role): held, not registered, so each
-    parameter has one name; fold folds them into this projection too.
+    parameter has one name; fold folds them into this projection too. ``quantized_dtype``: the
+    transforms' dtype beside a quantized weight that does not tell its compute dtype (bitsandbytes
+    8-bit: the model's).
 
     Example::
 
@@ -333,7 +336,8 @@ def attach(
     if transforms is None and is_quantized_weight(module._parameters.get("weight")):
         # the transforms run in the compute dtype of a quantized linear, beside its frozen quantized weight
         weight = module._parameters["weight"]
-        transforms, active = _transforms_for(slots, kinds, compute_dtype(module), weight.device)  # type: ignore[union-attr]
+        dtype = compute_dtype(module, quantized_dtype)
+        transforms, active = _transforms_for(slots, kinds, dtype, weight.device)  # type: ignore[union-attr]
     elif transforms is None:
         ref = next(iter(module.parameters(recurse=False)), None)
         transforms, active = make_transforms(slots, kinds, ref)

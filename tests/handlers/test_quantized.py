@@ -117,3 +117,16 @@ def test_apply_in_either_order_with_torchao(llama_dir, kind):
     quant_err = max_err(a, float_kha)
     assert 0 < quant_err < 0.5 * max_err(float_kha, logits(load_float(llama_dir)).detach())
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bnb-int8", "bnb-nf4", "torchao-int8"])
+def test_transforms_take_the_compute_dtype_of_a_bfloat16_model(llama_dir, kind):
+    """bitsandbytes' 8-bit weight tells no compute dtype (int8 rows, float32 scales): the transforms take the
+    model's, so a bfloat16 model runs; identity stays exact."""
+    model = load_quantized(llama_dir, kind, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = logits(model)
+    kc.apply(model, CFG)
+    assert {p.dtype for p in kha_params(model).values()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(logits(model), before)
