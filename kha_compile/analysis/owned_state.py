@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,10 +59,11 @@ def code_namespaces(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _copy(value: Any) -> Any:
-    """One level into a container: its items as they are now (None for anything else)."""
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (list, set)):
+    """One level into a plain list, dict or set (or an nn.Module's OrderedDict tables): its items as they
+    are now; None for anything else (a subclass may compute its items: transformers' ``ACT2FN``)."""
+    if type(value) in (dict, OrderedDict):
+        return dict.copy(value)
+    if type(value) in (list, set):
         return type(value)(value)
     return None
 
@@ -75,12 +77,14 @@ def _put_back(table: dict[str, Any], before: dict[str, Any], inner: dict[str, An
             table[name] = value
     for name, items in inner.items():
         box = table.get(name)
-        if isinstance(box, dict) and (box.keys() != items.keys() or any(box[k] is not v for k, v in items.items())):
-            box.clear()
-            box.update(items)
-        elif isinstance(box, list) and (len(box) != len(items) or any(a is not b for a, b in zip(box, items))):
+        if type(box) in (dict, OrderedDict):
+            now = dict.copy(box)
+            if now.keys() != items.keys() or any(now[k] is not v for k, v in items.items()):
+                box.clear()
+                box.update(items)
+        elif type(box) is list and (len(box) != len(items) or any(a is not b for a, b in zip(box, items))):
             box[:] = items
-        elif isinstance(box, set) and box != items:
+        elif type(box) is set and box != items:
             box.clear()
             box.update(items)
 
@@ -115,9 +119,9 @@ def _fakes(value: Any) -> bool:
     """A fake tensor, or a list, tuple, dict or set holding one (one level)."""
     if isinstance(value, FakeTensor):
         return True
-    if isinstance(value, dict):
-        value = list(value.values())
-    return isinstance(value, (list, tuple, set)) and any(isinstance(v, FakeTensor) for v in value)
+    if type(value) in (dict, OrderedDict):
+        value = list(dict.values(value))
+    return type(value) in (list, tuple, set) and any(isinstance(v, FakeTensor) for v in value)
 
 
 def fake_tensors_in(model: nn.Module, outputs: Any = None) -> list[str]:
