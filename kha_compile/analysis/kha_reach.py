@@ -110,7 +110,7 @@ def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tens
         value = torch.zeros(shape, dtype=torch.long) if shape is not None else None
     if not isinstance(value, torch.Tensor) or positions is None or not isinstance(dim, int) or src_shape is None:
         raise NotLayout("index_copy of an unknown base or at computed positions")
-    written = known.get(source)
+    written = known.get(source) if isinstance(source, Node) else None
     if not isinstance(written, torch.Tensor):
         written = torch.zeros(src_shape, dtype=torch.long)
     return value.index_copy(dim, positions.long(), written.expand(src_shape))

@@ -77,7 +77,7 @@ def _put_back(table: dict[str, Any], before: dict[str, Any], inner: dict[str, An
             table[name] = value
     for name, items in inner.items():
         box = table.get(name)
-        if type(box) in (dict, OrderedDict):
+        if isinstance(box, dict) and type(box) in (dict, OrderedDict):
             now = dict.copy(box)
             if now.keys() != items.keys() or any(now[k] is not v for k, v in items.items()):
                 box.clear()
