@@ -153,14 +153,44 @@ def _compare(before: Any, after: Any) -> str:
     return ""
 
 
-def _run_findings(model: nn.Module, args: Any, kwargs: Any, before: Any) -> list[Finding]:
-    out = None
-    if before is not None:
+def _recording(model: nn.Module, scopes: list[str], calls: dict[str, tuple[tuple, dict]]) -> list[Any]:
+    """Forward pre-hooks keeping the inputs of each scope module's first call (tensors copied)."""
+
+    def keep(t: Any) -> Any:
+        return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+    def hook_for(path: str) -> Any:
+        def hook(module: nn.Module, a: tuple, kw: dict) -> None:
+            if path not in calls:
+                calls[path] = (_pytree.tree_map(keep, tuple(a)), _pytree.tree_map(keep, dict(kw)))
+
+        return hook
+
+    handles = []
+    for path in scopes:
         try:
-            with _one_run(model):
-                out = model(*args, **kwargs)
-        except Exception as exc:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        handles.append(module.register_forward_pre_hook(hook_for(path), with_kwargs=True))
+    return handles
+
+
+def _run_findings(
+    model: nn.Module, args: Any, kwargs: Any, before: Any, scopes: list[str], calls: dict[str, tuple[tuple, dict]]
+) -> list[Finding]:
+    out = None
+    handles = _recording(model, scopes, calls)
+    try:
+        with _one_run(model):
+            out = model(*args, **kwargs)  # also on the meta device: the inputs of each scope to trace
+    except Exception as exc:
+        if before is not None:
             return [Finding("", "", f"the rewritten model fails on the example inputs: {type(exc).__name__}: {exc}")]
+        out = None
+    finally:
+        for h in handles:
+            h.remove()
     fakes = fake_tensors_in(model, out)
     if fakes:
         return [Finding("", "", "fake tensors left behind by the trace: " + ", ".join(fakes[:6]))]
@@ -171,11 +201,30 @@ def _run_findings(model: nn.Module, args: Any, kwargs: Any, before: Any) -> list
     return []
 
 
-def _graphs(
-    model: nn.Module, args: Any, kwargs: Any, whole: bool
-) -> tuple[Capture, list[tuple[str, MatchGraph, list[RawSite]]]]:
-    """The rewritten model traced as apply traced it (``whole``: the whole model, one block per type),
-    and each traced part's graph view and sites."""
+@dataclasses.dataclass
+class _Part:
+    """One traced graph of the rewritten model: its view and sites, and how its paths map to the model's."""
+
+    g: MatchGraph
+    raw: list[RawSite]
+    cap: Capture  # expands paths below ``scope`` (the whole model's when scope is '')
+    prefix: str = ""  # added to the graph's parameter names
+    scope: str = ""  # the module traced on its own (its sites' paths are prefixed with it)
+
+    def real(self, path: str) -> str:
+        """The model's path of a site, projection or (prefixed) parameter path of this graph: a traced
+        representative block's path is its first copy's."""
+        if not self.scope:
+            return self.cap.expand_path(path)[0]
+        local = path[len(self.scope) + 1 :] if path.startswith(self.scope + ".") else ""
+        return ".".join(x for x in (self.scope, self.cap.expand_path(local)[0] if local else "") if x)
+
+    def param(self, name: str) -> str:
+        return self.real(f"{self.prefix}.{name}" if self.prefix else name)
+
+
+def _graphs(model: nn.Module, args: Any, kwargs: Any, whole: bool) -> list[_Part]:
+    """The rewritten model traced as apply traced it (``whole``: the whole model, one block per type)."""
     with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
         try:
             cap = capture(model, args, kwargs)
@@ -186,8 +235,46 @@ def _graphs(
     parts = []
     for prefix, ep in cap.programs():
         g = MatchGraph(ep, cap.aliases if not prefix else {})
-        parts.append((prefix, g, prefix_sites(sites_in(g), prefix)))
-    return cap, parts
+        parts.append(_Part(g, prefix_sites(sites_in(g), prefix), cap, prefix))
+    return parts
+
+
+def scope_of(model: nn.Module, site: AttentionSite) -> str:
+    """The smallest module holding a site's attention and all its projections ('' : the whole model).
+
+    Example::
+
+        scope_of(model, site)      # "model.layers.0.self_attn"
+    """
+    paths = [site.name.partition("@")[0], *(p for r in "qkv" for p in site.projections(r))]
+    common = paths[0].split(".")
+    for p in paths[1:]:
+        parts = p.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    scope = ".".join(common)
+    try:
+        model.get_submodule(scope)
+    except AttributeError:
+        return ""
+    return scope
+
+
+def _scoped(model: nn.Module, calls: dict[str, tuple[tuple, dict]]) -> list[_Part] | None:
+    """Each scope module traced on its own, on the inputs recorded in the check's forward (None when one
+    cannot be: the caller traces the whole model instead)."""
+    parts = []
+    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
+        for scope, (a, kw) in calls.items():
+            try:
+                cap = capture(model.get_submodule(scope), a, kw)
+            except (KHAError, AttributeError):
+                return None
+            g = MatchGraph(cap.exported, cap.aliases)
+            parts.append(_Part(g, prefix_sites(sites_in(g), scope), cap, scope, scope))
+    return parts
 
 
 def _role_transform(module: nn.Module, role: str) -> nn.Module | None:
@@ -212,10 +299,18 @@ def _allowed(model: nn.Module, paths: list[str], role: str) -> set[int]:
 
 
 def _graph_findings(
-    model: nn.Module, report: Report, args: Any, kwargs: Any, roles: set[str], planned: dict[str, str]
+    model: nn.Module,
+    report: Report,
+    args: Any,
+    kwargs: Any,
+    roles: set[str],
+    planned: dict[str, str],
+    calls: dict[str, tuple[tuple, dict]],
 ) -> tuple[list[Finding], int]:
     """The third check (see the module doc); also how many role operands it could follow."""
-    cap, parts = _graphs(model, args, kwargs, whole=bool(planned) and "per submodule" not in report.trace_path)
+    parts = _scoped(model, calls) if calls else None
+    if parts is None:
+        parts = _graphs(model, args, kwargs, whole=bool(planned) and "per submodule" not in report.trace_path)
     owner: dict[int, tuple[str, str, int]] = {}  # id(param) -> (transform's name, its role, id(transform))
     for path, module in kha_modules(model):
         for role, t in transforms_of(module).items():
@@ -224,41 +319,33 @@ def _graph_findings(
     by_name = {s.name: s for s in report.matched}
     findings: list[Finding] = []
     followed = 0
-    again = {site.name for _, _, raw in parts for site in raw if not site.reason and set(site.roles) == {"q", "k", "v"}}
-    lost = [name for traced, name in planned.items() if traced not in again]
-    if lost:  # sites named by a node are renamed by the inserted ops; heads as modules group anew: not an error
-        log.debug(
-            "KHA self-check: %d sites not found again by name (e.g. %s); their operands not followed",
-            len(lost),
-            lost[0],
-        )
-    for prefix, g, raw in parts:
-        for site in raw:
+    for part in parts:
+        for site in part.raw:
             if site.reason or set(site.roles) != {"q", "k", "v"}:
                 continue
-            real = cap.expand_path(site.name)
-            rep: AttentionSite | None = next((by_name[n] for n in real if n in by_name), None)
-            if rep is None:
+            rep = by_name.get(part.real(site.name))
+            if rep is None:  # a site named by a node is renamed by the inserted ops: not followed
                 continue
             for role in "qkv":
                 target = site.targets[role][0] if role in site.targets else site.node
                 for m in [site.roles[role], *site.joint.get(role, [])]:
-                    reach = transforms_reaching(g, m.projection, target)
+                    reach = transforms_reaching(part.g, m.projection, target)
                     if reach is None:
                         continue
                     followed += 1
-                    what = _judge(model, cap, prefix, site, role in roles, role, m, reach, owner)
+                    what = _judge(model, part, site, role in roles, role, m, reach, owner)
                     if what:
-                        findings.append(Finding(rep.name, site.name, f"{role}: {what}"))
+                        traced = next((t for t, n in planned.items() if n == rep.name), site.name)
+                        findings.append(Finding(rep.name, traced, f"{role}: {what}"))
                         break
     return findings, followed
 
 
-def _judge(model, cap, prefix, site, planned, role, m, reach, owner) -> str:
+def _judge(model, part, site, planned, role, m, reach, owner) -> str:
     """What is wrong with the transforms reaching one role's operand ('' when it is as planned)."""
     found: dict[int, tuple[str, str, int]] = {}
     for name in reach.params:
-        full = cap.expand_path(f"{prefix}.{name}" if prefix else name)[0]
+        full = part.param(name)
         try:
             p = model.get_parameter(full)
         except AttributeError:
@@ -278,11 +365,21 @@ def _judge(model, cap, prefix, site, planned, role, m, reach, owner) -> str:
         return f"it carries {name}, the transform of {t_role} (the roles are swapped)"
     if not planned:
         return f"it carries {name}, but no transform was planned for {role}"
-    homes = [cap.expand_path(x.projection.module_path)[0] for x in [site.roles[role], *site.joint.get(role, [])]]
-    homes.append(cap.expand_path(site.name.partition("@")[0])[0])
+    homes = [part.real(x.projection.module_path) for x in [site.roles[role], *site.joint.get(role, [])]]
+    homes.append(part.real(site.name.partition("@")[0]))
     if tid not in _allowed(model, homes, role):
         return f"it carries {name}, which is planned for another site"
     return ""
+
+
+def _scopes(model: nn.Module, report: Report, planned: dict[str, str]) -> list[str]:
+    """The modules to trace on their own, one per site apply traced (a representative block's); [] when
+    one of them is the whole model (the whole model is traced instead)."""
+    by_name = {s.name: s for s in report.matched}
+    scopes = {scope_of(model, by_name[n]) for n in planned.values() if n in by_name}
+    if not scopes or "" in scopes:
+        return []
+    return sorted(s for s in scopes if not any(s.startswith(o + ".") for o in scopes))
 
 
 def self_check(
@@ -299,11 +396,15 @@ def self_check(
         findings = self_check(model, report, args, kwargs, before, {"v"}, {"layers.0.attn": "layers.0.attn"})
     """
     start = time.perf_counter()
-    findings = _run_findings(model, args, kwargs, before)
+    scopes = _scopes(model, report, planned)
+    calls: dict[str, tuple[tuple, dict]] = {}
+    findings = _run_findings(model, args, kwargs, before, scopes, calls)
+    if set(calls) != set(scopes):
+        calls = {}  # a scope did not run: trace the whole model
     followed = 0
     if not findings:
         try:
-            graph, followed = _graph_findings(model, report, args, kwargs, roles, planned)
+            graph, followed = _graph_findings(model, report, args, kwargs, roles, planned, calls)
         except KHAError as exc:
             graph = [
                 Finding("", "", f"the rewritten model cannot be traced as the model was: {str(exc).splitlines()[0]}")

@@ -3,6 +3,7 @@ and each operand carrying its own transform; a violation undoes the insertion an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -188,7 +189,7 @@ def test_a_plan_that_breaks_identity_is_refused(monkeypatch):
 
 def test_a_fake_tensor_left_behind_is_refused(monkeypatch):
     """The trace's state put back (the fix) taken out again: the fake scratch buffer is found and named."""
-    monkeypatch.setattr("kha_compile.analysis.trace.kept_as_it_was", lambda model: _nothing())
+    monkeypatch.setattr("kha_compile.analysis.trace.kept_as_it_was", lambda model: contextlib.nullcontext())
     fs._SCORES = None
     model = fs.ScratchNet().eval()
     with pytest.raises(
@@ -197,12 +198,6 @@ def test_a_fake_tensor_left_behind_is_refused(monkeypatch):
         kc.apply(model, kc.KHAConfig(v="linear"), example_args=(_seq_first(),))
     assert not kha_params(model)
     fs._SCORES = None
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 class _SeparateQKV(torch.nn.Module):
