@@ -146,7 +146,7 @@ def apply(
     is left in the model or its code's globals; and, on a trace of the rewritten model, each site's
     q, k and v operands carry exactly their own transform. A failure undoes the insertion and raises
     ``SelfCheckError`` naming the site; with ``strict=False`` the sites that fail are skipped with the
-    reason instead. ``check=False`` skips the check (it costs about one more trace of one block per type).
+    reason instead. ``check=False`` skips the check (it costs one more trace of each site's module).
 
     Example::
 
