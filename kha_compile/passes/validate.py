@@ -84,7 +84,7 @@ def _not_real(model: nn.Module, args: Any, kwargs: Any) -> str:
 def _one_run(model: nn.Module) -> Iterator[None]:
     """A forward that changes nothing: no_grad, the RNG seeded (and put back), buffers put back,
     no cache filled, MHA's fused fast path off (KHA's carriers take the regular path)."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     cuda = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
     try:
