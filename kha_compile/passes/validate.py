@@ -14,7 +14,8 @@ Three checks, each cheap next to the analysis itself:
    block per type, where that cannot be), and matched; for each role of each site, the KHA transforms acting on
    the features from the role's projection to the attention's operand (:mod:`..analysis.kha_reach`)
    must be exactly the one planned for that role of that site: not another role's (swapped roles),
-   not two (a role transformed twice), not one planned for another site, and not none.
+   not two (a role transformed twice), not one planned for another site. Where the walk sees none (a
+   transform folded into a computed weight, a convolution), the operand is not judged.
 
 Example::
 
@@ -358,8 +359,8 @@ def _judge(model, part, site, planned, role, m, reach, owner) -> str:
         return f"{len(found)} KHA transforms act on its features ({names}); one is planned"
     if reach.twice:
         return f"the transform {names} acts twice on its features"
-    if not found:
-        return "no KHA transform acts on its features, but one was planned" if planned else ""
+    if not found:  # a transform this walk cannot see (a weight computed from it, a convolution): not judged
+        return ""
     (name, t_role, tid) = next(iter(found.values()))
     shares = m.shares or (role,)
     if t_role not in shares:
