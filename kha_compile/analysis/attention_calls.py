@@ -37,7 +37,7 @@ FAMILIES: dict[str, set[Any]] = {
     "sdpa": set(SDPA_OPS),
     "matmul": {aten.matmul.default},
     "bmm": {aten.bmm.default},
-    "baddbmm": {aten.baddbmm.default},
+    "baddbmm": {aten.baddbmm.default, aten.baddbmm.out},
     "einsum": {aten.einsum.default},
 }
 

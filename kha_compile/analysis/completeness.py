@@ -34,14 +34,14 @@ __all__ = ["PRODUCT_OPS", "score_product", "unclaimed"]
 
 aten = torch.ops.aten
 
-PRODUCT_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+PRODUCT_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.baddbmm.out, aten.einsum.default}
 
 
 def _operands(node: Node) -> list[Any]:
     if node.target is aten.einsum.default:
         ops = node.args[1] if len(node.args) > 1 else []
         return list(ops) if isinstance(ops, (list, tuple)) else []
-    if node.target is aten.baddbmm.default:
+    if node.target in (aten.baddbmm.default, aten.baddbmm.out):
         return list(node.args[1:3])
     return list(node.args[:2])
 

@@ -59,7 +59,7 @@ from .shared_roles import split_shared
 from .token_mixing import MIXING_PRODUCTS, temporal_conv, through_product
 from .writes import through_write, written_value
 
-__all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites"]
+__all__ = ["MatchGraph", "Projection", "RawSite", "RoleMatch", "find_sites", "sites_in"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -408,7 +408,11 @@ def find_sites(exported, aliases: dict[str, str] | None = None) -> list[RawSite]
 
     ``aliases``: other paths of modules reachable by several -> their first path (``Capture.aliases``).
     """
-    g = MatchGraph(exported, aliases)
+    return sites_in(MatchGraph(exported, aliases))
+
+
+def sites_in(g: MatchGraph) -> list[RawSite]:
+    """:func:`find_sites` on a graph view already built (the self-check reads the same view after)."""
     sites = []
     for anchor in _anchors(g):
         node, rule, roles, reason = anchor.node, anchor.rule, anchor.roles, anchor.reason

@@ -56,6 +56,7 @@ _STOP_OPS = {
     aten.matmul.default,
     aten.bmm.default,
     aten.baddbmm.default,
+    aten.baddbmm.out,
     aten.mm.default,
     aten.addmm.default,
     aten.linear.default,

@@ -21,6 +21,7 @@ from torch import nn
 from ..core.devices import callers_device
 from ..core.errors import TraceError
 from .opaque_kernels import opaque_kernels
+from .owned_state import kept_as_it_was
 from .quantized import plain_linears
 
 __all__ = [
@@ -377,7 +378,8 @@ def unrun_modules(model: nn.Module, exported: Any) -> list[str]:
     return out
 
 
-_NO_BACKWARD = ("does not support backward",)  # e.g. "FlexAttention does not support backward on CPU"
+# e.g. "FlexAttention does not support backward on CPU"; an op writing into a buffer (``out=``) under grad
+_NO_BACKWARD = ("does not support backward", "arguments don't support automatic differentiation")
 _REFUSES_GRAD: set[tuple[type, str]] = set()  # (model class, attention implementation) seen refusing grad
 
 
@@ -471,8 +473,8 @@ def _bind_non_pytree_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Iter
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
         # the model's own code sees the caller's default device (a meta block); linear-attention kernels as
-        # one op each (.opaque_kernels)
-        with callers_device(), opaque_kernels(model):
+        # one op each (.opaque_kernels); the state the model's code owns is put back (.owned_state)
+        with kept_as_it_was(model), callers_device(), opaque_kernels(model):
             return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
     except Exception as exc:  # torch.export raises many types; keep its reason
         raise TraceError(

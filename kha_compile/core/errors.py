@@ -41,6 +41,7 @@ __all__ = [
     "OpInputError",
     "RegistrationError",
     "RegistryError",
+    "SelfCheckError",
     "ServingError",
     "ShardedModelError",
     "TensorParallelError",
@@ -100,6 +101,11 @@ class AnalysisError(KHAError):
 
 class NoAttentionFoundError(KHAError):
     """The graph pass found no per-head attention to transform."""
+
+
+class SelfCheckError(KHAError):
+    """apply's check of its own rewrite failed (identity at init broken, a fake tensor left behind, or a
+    transform on the wrong operand); the insertion was undone and the model is as it was."""
 
 
 class AlreadyAppliedError(KHAError):

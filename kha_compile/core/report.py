@@ -91,6 +91,8 @@ class Report:
         trace_path: how the graph was captured: ``"whole model"``, ``"one block per type"`` or
             ``"per submodule"`` (when the whole model does not trace).
         untraced: ``(submodule, why)`` for submodules that could not be traced.
+        note: what else to know about the whole model (``kc.inspect`` of a model with no attention
+            says so here, with what was looked for).
 
     Example::
 
@@ -105,6 +107,7 @@ class Report:
     traced_blocks: int = 0
     trace_path: str = "whole model"  # how the graph was captured: whole model, one block per type, per submodule
     untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (submodule, why) not traced
+    note: str = ""  # e.g. that no attention was found, and what was looked for
 
     @property
     def matched(self) -> list[AttentionSite]:
@@ -152,6 +155,8 @@ class Report:
         ]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else ""))
+        if self.note:
+            lines.append(self.note)
         return "\n".join(lines).rstrip()
 
     def __len__(self) -> int:

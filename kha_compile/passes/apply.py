@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -11,9 +12,18 @@ from typing import Any
 from torch import nn
 
 from ..analysis.inputs import example_inputs as _example_inputs
+from ..analysis.match import RawSite
 from ..analysis.submodules import trace_and_match
+from ..analysis.trace import Capture
 from ..core.devices import own_tensors_on_cpu
-from ..core.errors import AlreadyAppliedError, AnalysisError, KHAConfigError, KHAError, NoAttentionFoundError
+from ..core.errors import (
+    AlreadyAppliedError,
+    AnalysisError,
+    KHAConfigError,
+    KHAError,
+    NoAttentionFoundError,
+    SelfCheckError,
+)
 from ..core.report import Report
 from ..handlers import adapter as _adapter
 from ..handlers import handler_of, projection_handlers
@@ -26,6 +36,7 @@ from ..model.parametrized import raw_parameters
 from ..model.sharded import refuse_sharded
 from ..model.wrappers import plain_forward
 from ..store.hf import record_config
+from .validate import Finding, reference_outputs, self_check
 
 __all__ = ["analyse", "apply", "inspect", "recorded_report", "remove"]
 
@@ -51,12 +62,31 @@ def _step(step: str, model: nn.Module, fn: Any, *args: Any) -> Any:
 
 def analyse(model: nn.Module, cfg: KHAConfig | None, example_args: Any, example_kwargs: dict | None):
     """(report, insertion plan) of ``model`` (a ``PeftModel`` is analysed as the model inside it)."""
-    model = unwrap_model(model)  # a PeftModel: paths and inputs of the model inside
+    report, plan, _ = _analysed(unwrap_model(model), cfg, example_args, example_kwargs)
+    return report, plan
+
+
+@dataclasses.dataclass
+class _Analysis:
+    """What apply keeps of the analysis for its self-check: the inputs, the capture and the raw sites."""
+
+    args: tuple
+    kwargs: dict
+    cap: Capture
+    raw: list[RawSite]
+
+
+def _analysed(model: nn.Module, cfg: KHAConfig | None, example_args: Any, example_kwargs: dict | None):
     args, kwargs = _step("inputs", model, _example_inputs, model, example_args, example_kwargs)
     # parametrized weights read as stored; adapters off; the model's own forward, not accelerate's autocast wrapper
     with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
         # the whole model, or submodule by submodule where torch.export cannot trace it whole
         cap, raw = _step("trace", model, trace_and_match, model, args, kwargs)
+    report, plan = _planned(model, raw, cap, cfg)
+    return report, plan, _Analysis(args, kwargs, cap, raw)
+
+
+def _planned(model: nn.Module, raw: list[RawSite], cap: Capture, cfg: KHAConfig | None) -> tuple[Report, list]:
     sites, plan = _step("plan", model, build_sites, model, raw, cap, cfg)
     _adapter.retarget(model, plan, sites)  # <wrapper>.base_layer -> the adapter wrapper
     report = Report(type(model).__name__, sites, cap.seconds, cap.traced_blocks, cap.path, list(cap.untraced))
@@ -104,11 +134,19 @@ def apply(
     example_args: Any = (),
     example_kwargs: dict | None = None,
     strict: bool = True,
+    check: bool = True,
 ) -> nn.Module:
     """Insert KHA transforms after the q/k/v projections of every attention in ``model``, in place.
 
     The transforms start at identity, so the model's outputs do not change until training moves
     them. Repeated blocks are traced once. Returns ``model``.
+
+    Before it returns, apply checks its own rewrite (``check=True``, the default): where the example
+    inputs are real, the model gives exactly the outputs it gave before; no fake tensor of the trace
+    is left in the model or its code's globals; and, on a trace of the rewritten model, each site's
+    q, k and v operands carry exactly their own transform. A failure undoes the insertion and raises
+    ``SelfCheckError`` naming the site; with ``strict=False`` the sites that fail are skipped with the
+    reason instead. ``check=False`` skips the check (it costs one more trace of each site's module).
 
     Example::
 
@@ -131,7 +169,7 @@ def apply(
         )
     inner = unwrap_model(model)  # a PeftModel: the model inside carries the transforms and the config
     with own_tensors_on_cpu():  # inside `with torch.device("meta"):` too; the model's code runs as it would
-        report, plan = analyse(inner, cfg, example_args, example_kwargs)
+        report, plan, analysis = _analysed(inner, cfg, example_args, example_kwargs)
         if not report.matched:
             message = _nothing_found(model, report)
             if strict:
@@ -139,7 +177,10 @@ def apply(
             warnings.warn(message, stacklevel=2)
             log.warning(message)
             return model
+        before = reference_outputs(inner, analysis.args, analysis.kwargs) if check else None
         count = insert(inner, plan)
+        if check:
+            report, plan, count = _checked(inner, cfg, report, plan, count, analysis, before, strict)
     _adapter.watch(inner)
     record_config(inner)
     _REPORTS[inner] = report
@@ -156,6 +197,80 @@ def apply(
     return model
 
 
+def _undo(model: nn.Module) -> None:
+    """Take out what insert() put in (the classes and parameters of before)."""
+    for _, module in kha_modules(model):
+        handler_of(module).detach(module)
+    for handler in projection_handlers():
+        handler.cleanup(model)
+
+
+def _refusal(model: nn.Module, findings: list[Finding], strict: bool) -> str:
+    lines = "\n".join(f"  {f}" for f in findings[:12])
+    how = (
+        "Pass strict=False to skip the sites that fail (the others keep KHA), or check=False to skip the check."
+        if strict and all(f.site for f in findings)
+        else "Pass check=False to skip the check."
+    )
+    return (
+        f"kha_compile's check of its own rewrite of {type(model).__name__} failed, so the insertion was undone "
+        f"and the model is as it was:\n{lines}\nThis is a bug of kha_compile or a form it misreads: please report "
+        f"it with the model's code. {how}"
+    )
+
+
+def _planned_sites(report: Report, analysis: _Analysis) -> dict[str, str]:
+    """Traced name -> report name of every site apply matched and planned, in a trace of the whole model."""
+    if analysis.cap.exported is None:  # traced per submodule: the check matches what it finds
+        return {}
+    matched = {s.name for s in report.matched}
+    out = {}
+    for raw in analysis.raw:
+        name = next((n for n in analysis.cap.expand_path(raw.name) if n in matched), None)
+        if name is not None:
+            out[raw.name] = name
+    return out
+
+
+def _checked(
+    model: nn.Module,
+    cfg: KHAConfig,
+    report: Report,
+    plan: list,
+    count: int,
+    analysis: _Analysis,
+    before: Any,
+    strict: bool,
+) -> tuple[Report, list, int]:
+    """The self-check (passes/validate.py); on a failure undo, then raise or (strict=False) re-plan without
+    the sites that failed."""
+    findings = self_check(
+        model, report, analysis.args, analysis.kwargs, before, set(cfg.roles()), _planned_sites(report, analysis)
+    )
+    if not findings:
+        return report, plan, count
+    _undo(model)
+    if strict or not all(f.site for f in findings):
+        raise SelfCheckError(_refusal(model, findings, strict))
+    why: dict[str, list[str]] = {}
+    for f in findings:
+        why.setdefault(f.traced, []).append(f.what)
+    for raw in analysis.raw:
+        if raw.name in why:
+            raw.reason = "kha_compile's self-check refused its rewrite: " + "; ".join(why[raw.name])
+    report, plan = _planned(model, analysis.raw, analysis.cap, cfg)
+    if not report.matched:
+        raise SelfCheckError(_refusal(model, findings, strict))
+    count = insert(model, plan)
+    again = self_check(
+        model, report, analysis.args, analysis.kwargs, before, set(cfg.roles()), _planned_sites(report, analysis)
+    )
+    if again:
+        _undo(model)
+        raise SelfCheckError(_refusal(model, again, strict))
+    return report, plan, count
+
+
 def inspect(model: nn.Module, example_args: Any = (), example_kwargs: dict | None = None) -> Report:
     """Report every attention site of ``model`` (before or after apply) without changing it.
 
@@ -168,6 +283,9 @@ def inspect(model: nn.Module, example_args: Any = (), example_kwargs: dict | Non
     refuse_sharded(model, "inspect")
     with own_tensors_on_cpu():
         report, _ = analyse(model, None, example_args, example_kwargs)
+    if not report.matched:  # say so, with apply's hints, rather than print an empty table
+        report.note = _nothing_found(model, report)
+        log.warning(report.note)
     return report
 
 

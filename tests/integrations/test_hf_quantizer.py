@@ -48,8 +48,8 @@ def traces(monkeypatch):
         calls.append(type(args[0]).__name__)
         return real(*args, **kwargs)
 
-    real = apply_module.analyse
-    monkeypatch.setattr(apply_module, "analyse", counted)
+    real = apply_module._analysed  # apply's and inspect's analysis (analyse calls it too)
+    monkeypatch.setattr(apply_module, "_analysed", counted)
     return calls
 
 

@@ -86,7 +86,7 @@ def _sorted_by_hash(g: MatchGraph, operand: Node) -> Node | None:
 
 def _operands(op: Node) -> tuple[Any, Any] | None:
     """The two operands of a score product (matmul, bmm, baddbmm or a two-operand einsum)."""
-    if op.target is aten.baddbmm.default:
+    if op.target in (aten.baddbmm.default, aten.baddbmm.out):
         return op.args[1], op.args[2]
     if op.target is aten.einsum.default:
         ops = op.args[1] if len(op.args) > 1 else None

@@ -33,7 +33,7 @@ __all__ = ["SCORE_OPS", "SOFTMAX_OPS", "ManualSoftmaxRule"]
 
 aten = torch.ops.aten
 
-SCORE_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
+SCORE_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.baddbmm.out}  # out=: a scratch buffer
 
 
 class ManualSoftmaxRule:
@@ -48,7 +48,7 @@ class ManualSoftmaxRule:
         score = _score_op(g, node)
         if score is None:
             return None
-        if score.target is aten.baddbmm.default:
+        if score.target in (aten.baddbmm.default, aten.baddbmm.out):
             q, kt = score.args[1], score.args[2]
         else:
             q, kt = score.args[0], score.args[1]

@@ -64,6 +64,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> list[argparse.Argumen
         "--v", metavar="KIND", type=kind_choice(("none", "linear", "mlp")), help="value transform: none, linear, mlp"
     )
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (created if missing)")
+    p.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip apply's check of its own rewrite (outputs unchanged, each operand with its own transform)",
+    )
     p.set_defaults(func=run_apply)
     return [inspect_parser, p]
 
@@ -112,7 +118,7 @@ def run_apply(args: argparse.Namespace, ui: UI) -> int:
         )
     model, name = load_with_kha(args.model, None, ui)
     with ui.step(f"apply {cfg}"):
-        kc.apply(model, cfg)
+        kc.apply(model, cfg, check=getattr(args, "check", True))
     report = kc.inspect(model)
     ui.out.print(
         report_table(
