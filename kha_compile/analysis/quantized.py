@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..core.errors import UnsupportedModelError
 from ..core.quantized import compute_dtype, is_quantized_linear
 
-__all__ = ["TracedLinear", "plain_linears"]
+__all__ = ["TracedCarrier", "TracedLinear", "plain_linears"]
 
 
 class TracedLinear(nn.Linear):
@@ -39,9 +39,21 @@ class TracedLinear(nn.Linear):
         return F.linear(x, w, b)
 
 
+class TracedCarrier(TracedLinear):
+    """A quantized linear that carries KHA, as the analysis sees it: its transforms on ``x W^T + b``.
+
+    Its ``kha`` child is the carrier's own (same parameters, same paths in the trace), and the
+    carrier's own ``kha_transform`` applies them, so the self-check sees the rewrite as it runs."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.__dict__["_kha_apply"](super().forward(x))
+
+
 def _stand_in(module: nn.Linear, dtype: torch.dtype) -> TracedLinear:
     device = next(iter(module.parameters(recurse=False))).device  # compressed-tensors: weight_packed, no weight
-    stand_in = TracedLinear.__new__(TracedLinear)
+    carrier = "kha" in module._modules and callable(getattr(module, "kha_transform", None))
+    cls = TracedCarrier if carrier else TracedLinear
+    stand_in = cls.__new__(cls)
     nn.Module.__init__(stand_in)
     stand_in.in_features, stand_in.out_features = module.in_features, module.out_features
     one = torch.zeros((), dtype=dtype, device=device)
@@ -52,6 +64,9 @@ def _stand_in(module: nn.Linear, dtype: torch.dtype) -> TracedLinear:
         stand_in.bias = bias
     else:
         stand_in.register_parameter("bias", None)
+    if carrier:  # the rewritten model (apply's self-check): its transforms stay where they are
+        stand_in._modules["kha"] = module._modules["kha"]
+        stand_in.__dict__["_kha_apply"] = module.kha_transform
     stand_in.train(module.training)
     return stand_in
 
@@ -69,7 +84,7 @@ def plain_linears(model: nn.Module) -> Iterator[int]:
     found = [
         (path, m)
         for path, m in model.named_modules(remove_duplicate=False)
-        if path and is_quantized_linear(m) and "kha" not in m._modules  # a KHA carrier traces as itself
+        if path and is_quantized_linear(m)  # a KHA carrier too (TracedCarrier): its transforms kept
     ]
     packed = [path for path, m in found if "weight" not in m._parameters]
     if packed:

@@ -14,13 +14,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .optional import is_dtensor
 
-__all__ = ["compute_dtype", "is_quantized_linear", "is_quantized_weight"]
+__all__ = ["compute_dtype", "is_quantized_linear", "is_quantized_weight", "weights_kept_trainable"]
+
+_CPU_REPACK = "support_avx512bf16_for_cpu"  # bitsandbytes' Linear4bit: repack on an eval forward without grad
 
 
 def is_quantized_weight(t: object) -> bool:
@@ -65,3 +70,27 @@ def compute_dtype(module: nn.Module, default: torch.dtype | None = None) -> torc
     if isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point:
         return state_dtype
     return default
+
+
+@contextlib.contextmanager
+def weights_kept_trainable(model: nn.Module) -> Iterator[None]:
+    """Forwards in this block leave quantized weights in the layout they had.
+
+    bitsandbytes' 4-bit linear, on a CPU with AVX-512 bf16, repacks its weight for an inference-only
+    kernel at its first forward in eval mode without gradients; that kernel has no backward, so a
+    model repacked by a forward the user never asked for (kha_compile's own check runs) would stop
+    training its inputs' gradients. The repacking is turned off for the block, then put back.
+
+    Example::
+
+        with weights_kept_trainable(model), torch.no_grad():
+            model(ids)
+    """
+    flagged = [(m, m.__dict__[_CPU_REPACK]) for m in model.modules() if m.__dict__.get(_CPU_REPACK)]
+    for m, _ in flagged:
+        m.__dict__[_CPU_REPACK] = False
+    try:
+        yield
+    finally:
+        for m, was in flagged:
+            m.__dict__[_CPU_REPACK] = was

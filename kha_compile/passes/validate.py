@@ -46,6 +46,7 @@ from ..analysis.submodules import capture_submodules, prefix_sites, why_trace_fa
 from ..analysis.trace import Capture, capture, no_cache
 from ..core.devices import callers_device
 from ..core.errors import KHAError, TraceError
+from ..core.quantized import weights_kept_trainable
 from ..core.report import AttentionSite, Report
 from ..handlers import adapter as _adapter
 from ..model.carrier import kha_modules, transforms_of
@@ -84,13 +85,20 @@ def _not_real(model: nn.Module, args: Any, kwargs: Any) -> str:
 @contextlib.contextmanager
 def _one_run(model: nn.Module) -> Iterator[None]:
     """A forward that changes nothing: no_grad, the RNG seeded (and put back), buffers put back,
-    no cache filled, MHA's fused fast path off (KHA's carriers take the regular path)."""
+    no cache filled, MHA's fused fast path off (KHA's carriers take the regular path), quantized weights
+    left in their layout (bitsandbytes' CPU repacking has no backward)."""
     buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     cuda = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
     try:
         torch.backends.mha.set_fastpath_enabled(False)
-        with torch.random.fork_rng(devices=cuda), torch.no_grad(), no_cache(model), callers_device():
+        with (
+            torch.random.fork_rng(devices=cuda),
+            torch.no_grad(),
+            no_cache(model),
+            callers_device(),
+            weights_kept_trainable(model),
+        ):
             torch.manual_seed(_SEED)
             yield
     finally:
