@@ -71,7 +71,7 @@ class ScratchNet(nn.Module):
         return x
 
     def reference(self, x: Tensor) -> Tensor:
-        """Head by head from the state dict, one shared KHA transform per role (KHA_SPEC.md)."""
+        """Head by head from the state dict, one shared KHA transform per role (docs/method.md)."""
         sd = self.state_dict()
         for i in range(2):
             p = f"blocks.{i}"

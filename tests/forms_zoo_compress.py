@@ -9,7 +9,7 @@
   causal zeroing, the value a Linear then an activation.
 
 Like ``tests/forms_zoo_more.py``: ``reference(*inputs)`` computes the output from the stored
-parameters head by head, with KHA as KHA_SPEC.md writes it (:func:`forms_zoo_more.shared_kha`).
+parameters head by head, with KHA as docs/method.md writes it (:func:`forms_zoo_more.shared_kha`).
 
 Example::
 

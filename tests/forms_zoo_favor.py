@@ -14,7 +14,7 @@ The forms:
   the second half softmax attention inside a band of ``W`` tokens; the outputs concatenated over heads.
 
 Every model has ``reference(x)``: its output computed from its state dict head by head, with KHA as
-KHA_SPEC.md writes it (:func:`kha_fn`: the tensors named ``<projection>.kha.<role>.<param>``; ``expect``
+docs/method.md writes it (:func:`kha_fn`: the tensors named ``<projection>.kha.<role>.<param>``; ``expect``
 asserts the kind each role carries, so a missing MLP-value or a linear one in its place fails). It never
 runs the model's modules: the projections are ``F.linear`` of the stored weights, the attention per head
 below. One transform per role is shared by every head of a projection, the two forms of
@@ -189,7 +189,7 @@ class Net(nn.Module):
 
 
 def kha_fn(sd: dict[str, Tensor], proj: str, role: str, kind: str | None) -> Callable[[Tensor], Tensor]:
-    """KHA_SPEC.md's transform of ``role`` held at ``proj`` (``<proj>.kha.<role>.*``), checked to be ``kind``."""
+    """docs/method.md's transform of ``role`` held at ``proj`` (``<proj>.kha.<role>.*``), checked to be ``kind``."""
     pre = f"{proj}.kha.{role}."
     params = {n[len(pre) :]: t for n, t in sd.items() if n.startswith(pre)}
     got = None if not params else "linear" if set(params) == {"weight"} else "mlp"

@@ -1,7 +1,7 @@
 """Attention forms of issue 34 that read scores another way, each with an independent per-head reference.
 
 Like ``tests/forms_zoo_shared.py``: every model has ``reference(*inputs)``, its output computed from the
-stored parameters head by head, with KHA as KHA_SPEC.md writes it at the place kha_compile puts it.
+stored parameters head by head, with KHA as docs/method.md writes it at the place kha_compile puts it.
 
 * Bidirectional cross-attention: ONE score matrix per head, from a query/key projection per side (or one
   projection run on both sides), read both ways: softmax over its last axis for a's tokens (b's values),
