@@ -104,8 +104,7 @@ class NoAttentionFoundError(KHAError):
 
 
 class SelfCheckError(KHAError):
-    """apply's check of its own rewrite failed (identity at init broken, a fake tensor left behind, or a
-    transform on the wrong operand); the insertion was undone and the model is as it was."""
+    """apply's check of its own rewrite failed (identity, a fake tensor left, or a misplaced transform); undone."""
 
 
 class AlreadyAppliedError(KHAError):

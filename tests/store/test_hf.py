@@ -43,14 +43,20 @@ def test_a_directory_already_recording_the_same_kha_is_not_rewritten(tmp_path):
     assert (d / "config.json").read_text() == before
 
 
-def test_a_real_quantization_config_stays_with_a_warning(tmp_path, caplog):
+def test_a_real_quantization_config_is_kept_inside_kha_compiles(tmp_path, caplog):
+    """A directory quantized for real keeps that config whole, inside kha_compile's (``wraps``): loaders
+    dispatch on kha_compile's method, which runs the real one inside it (docs/guides/quantized.md)."""
     real = {"quant_method": "bitsandbytes_4bit", "load_in_4bit": True}
     _, d = _base_dir(tmp_path, quantization_config=real)
-    with caplog.at_level(logging.WARNING, logger="kha_compile"):
+    with caplog.at_level(logging.INFO, logger="kha_compile"):
         assert record_in_dir(d, {"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"})
     data = json.loads((d / "config.json").read_text())
-    assert data["quantization_config"]["quant_method"] == "bitsandbytes_4bit" and data["kha_compile"]["v"] == "mlp"
-    assert "quantization config of its own" in caplog.text
+    assert data["quantization_config"]["quant_method"] == "kha_compile" and data["kha_compile"]["v"] == "mlp"
+    assert data["quantization_config"]["wraps"] == real
+    assert "around its quantization method 'bitsandbytes_4bit'" in caplog.text
+    assert record_in_dir(d, {"version": 3, "q": None, "k": None, "v": "mlp", "strategy": "auto"})
+    again = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert again["wraps"] == real  # recorded twice: never nested
 
 
 def test_no_transformers_config_no_change(tmp_path):
