@@ -309,8 +309,9 @@ class MatchGraph:
         """True when ``node`` is a parameter seen through layout ops (a weight, not computed from one)."""
         return param_chain(node, self.params) is not None
 
-    def is_param(self, node: Any) -> bool:
-        """True when ``node`` is made of parameters, buffers and zeros only (no activation)."""
+    def is_param(self, node: Any, params: bool = True) -> bool:
+        """True when ``node`` is made of parameters, buffers and zeros only (no activation); ``params=False``:
+        of buffers and constants only (a fixed tensor, such as a random projection, nothing trained)."""
         seen, stack = set(), [node]
         while stack:
             n = stack.pop()
@@ -318,9 +319,9 @@ class MatchGraph:
                 continue
             seen.add(n)
             if n.op == "placeholder" and not (
-                n.name in self.params or n.name in self.buffers or n.name in self.constants
+                (params and n.name in self.params) or n.name in self.buffers or n.name in self.constants
             ):
-                return False  # an activation (a user input) feeds it
+                return False  # an activation (a user input) feeds it, or a parameter where none may
             stack.extend(n.all_input_nodes)
         return True
 

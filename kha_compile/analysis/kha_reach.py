@@ -34,7 +34,7 @@ from torch.fx import Node
 
 from .graph import MatchGraph, Projection
 from .layout import INDEX_OPS, LAYOUT_OPS, NotLayout, constant_index, push_layout, shape_of
-from .propagate import depthwise_channels
+from .propagate import cat_known, depthwise_channels
 
 __all__ = ["Reach", "kha_params_of", "transforms_reaching"]
 
@@ -82,24 +82,6 @@ def _or_all(t: torch.Tensor) -> int:
     return out
 
 
-def _cat(node: Node, known: dict[Node, Any]) -> torch.Tensor:
-    pieces = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not isinstance(pieces, (list, tuple)) or not isinstance(dim, int):
-        raise NotLayout("cat of a computed list")
-    parts = []
-    for p in pieces:
-        value = known.get(p) if isinstance(p, Node) else None
-        shape = shape_of(p) if isinstance(p, Node) else None
-        if isinstance(value, torch.Tensor):
-            parts.append(value)
-        elif shape is not None:
-            parts.append(torch.zeros(shape, dtype=torch.long))  # from elsewhere: no transform of this path
-        else:
-            raise NotLayout("cat of a piece without a static shape")
-    return torch.cat(parts, dim)
-
-
 def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tensor:
     base, dim, index, source = node.args[:4]
     value = known.get(base) if isinstance(base, Node) else None
@@ -125,7 +107,7 @@ def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
             raise NotLayout("getitem of no tuple")
         return value[pos]
     if node.target is aten.cat.default:
-        return _cat(node, known)
+        return cat_known(node, known, fill=0)  # a piece from elsewhere: no transform of this path
     if node.target is aten.index_copy.default:
         return _index_copy(g, node, known)
     first = node.args[0] if node.args and isinstance(node.args[0], Node) else None

@@ -112,7 +112,9 @@ def _through_depthwise(idx: torch.Tensor, node: Node) -> torch.Tensor:
     return idx[..., :1].expand(out)
 
 
-def _cat(node: Node, known: dict[Node, Any]) -> torch.Tensor:
+def cat_known(node: Node, known: dict[Node, Any], fill: int = _UNKNOWN) -> torch.Tensor:
+    """The index tensor of ``aten.cat`` node ``node``: each piece's known index, ``fill`` for a piece from
+    elsewhere (its static shape). Raises NotLayout for a computed list or a piece of no static shape."""
     pieces = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(pieces, (list, tuple)) or not isinstance(dim, int):
@@ -123,10 +125,10 @@ def _cat(node: Node, known: dict[Node, Any]) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             parts.append(value)
             continue
-        shape = shape_of(p)
+        shape = shape_of(p) if isinstance(p, Node) else None
         if shape is None:
             raise NotLayout("cat of a piece without a static shape")
-        parts.append(torch.full(shape, _UNKNOWN, dtype=torch.long))
+        parts.append(torch.full(shape, fill, dtype=torch.long))
     return torch.cat(parts, dim)
 
 
@@ -163,7 +165,7 @@ def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
             raise NotLayout("getitem of no indexed tuple")
         return value[pos]
     if node.target is aten.cat.default:
-        return _cat(node, known)
+        return cat_known(node, known)
     if node.target is aten.index_copy.default:  # head slots written back in place (KHA's own carriers)
         return _index_copy(g, node, known)
     first = node.args[0] if node.args and isinstance(node.args[0], Node) else None

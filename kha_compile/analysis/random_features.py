@@ -42,20 +42,6 @@ _PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum
 _DEPTH = 12
 
 
-def _fixed(g: MatchGraph, node: Any) -> bool:
-    """``node`` is computed from buffers and constants only (a random projection), no parameter, no activation."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, Node) or n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and (n.name in g.params or not (n.name in g.buffers or n.name in g.constants)):
-            return False
-        stack.extend(n.all_input_nodes)
-    return True
-
-
 def _operands(node: Node) -> list[Any]:
     if node.target is aten.einsum.default:
         ops = node.args[1] if len(node.args) > 1 else None
@@ -89,7 +75,7 @@ def _random_projection(g: MatchGraph, node: Node) -> tuple[Node, int, int] | Non
     if len(ops) != 2 or not all(isinstance(o, Node) for o in ops):
         return None
     for x, w in (ops, ops[::-1]):
-        if not _fixed(g, w) or _fixed(g, x) or g.is_param(x):
+        if not g.is_param(w, params=False) or g.is_param(x, params=False) or g.is_param(x):
             continue
         axis = _contracted_axis(node, x, w)
         sw, so = shape_of(w), shape_of(node)
