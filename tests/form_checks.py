@@ -76,3 +76,20 @@ def check_form(
         if expected is not None:
             torch.testing.assert_close(folded.detach(), expected, rtol=1e-4, atol=1e-5)
     return model
+
+
+def check_save_and_reload(make: Callable[[], nn.Module], model: nn.Module, args: tuple, directory) -> None:
+    """kc.save_pretrained of ``model`` (KHA applied and perturbed), then kc.load_pretrained into a fresh
+    ``make()`` holding ``model``'s other weights: the same outputs, and the per-head reference's.
+
+    Example::
+
+        check_save_and_reload(MyNet, model, (x,), tmp_path)
+    """
+    kc.save_pretrained(model, directory)
+    again = make()
+    again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in f".{k}"})
+    kc.load_pretrained(again, directory, example_args=args)
+    with torch.no_grad():
+        assert torch.equal(again(*args), model(*args))
+        torch.testing.assert_close(again(*args), model.reference(*args), rtol=1e-4, atol=1e-5)

@@ -12,7 +12,7 @@ import torch
 
 import forms_zoo_shared as fs
 import kha_compile as kc
-from form_checks import check_form
+from form_checks import check_form, check_save_and_reload
 from helpers import kha_params, perturb
 from kha_compile.passes.apply import analyse, recorded_report
 
@@ -68,13 +68,7 @@ def _perturbed(form: str) -> tuple:
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_save_and_reload(form, tmp_path):
     cls, model, args = _perturbed(form)
-    kc.save_pretrained(model, tmp_path)
-    again = cls()
-    again.load_state_dict({k: v for k, v in model.state_dict().items() if ".kha." not in f".{k}"})
-    kc.load_pretrained(again, tmp_path, example_args=args)
-    with torch.no_grad():
-        assert torch.equal(again(*args), model(*args))
-        torch.testing.assert_close(again(*args), model.reference(*args), rtol=1e-4, atol=1e-5)
+    check_save_and_reload(cls, model, args, tmp_path)
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
