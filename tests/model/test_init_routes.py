@@ -98,16 +98,22 @@ def test_init_weights_after_to_empty(arch, apply_inside):
     assert_identity(build(True), build(False))
 
 
+def _built(cls, config, kha: bool):
+    """The model, seeded; with KHA applied and perturbed (trained-like) when ``kha``."""
+    model = seeded(lambda: cls(config()))
+    if kha:
+        kc.apply(model, KHA)
+        perturb(model)
+    return model
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_init_weights_per_module(arch):
     """``model._init_weights(module)`` on every module, as older transformers code and users call it."""
     cls, config = ARCHS[arch]
 
     def build(kha: bool):
-        model = seeded(lambda: cls(config()))
-        if kha:
-            kc.apply(model, KHA)
-            perturb(model)
+        model = _built(cls, config, kha)
 
         def init_each():
             for module in model.modules():
@@ -125,10 +131,7 @@ def test_initialize_weights_after_training(arch):
     cls, config = ARCHS[arch]
 
     def build(kha: bool):
-        model = seeded(lambda: cls(config()))
-        if kha:
-            kc.apply(model, KHA)
-            perturb(model)
+        model = _built(cls, config, kha)
         for module in model.modules():
             module.__dict__.pop("_is_hf_initialized", None)  # post_init marked them: initialise again
         seeded(model.initialize_weights)
