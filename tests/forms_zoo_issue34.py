@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from forms_zoo import DH, D, TwoBlocks, each, from_heads, kha_of, lin, split_heads, to_heads
 from forms_zoo_more import shared_kha
+from forms_zoo_shared import TwoWayNet
 
 S, SB = 40, 48  # tokens of a and of b (more than d_model; unequal, so an axis read wrong fails)
 INTERESTS = 3
@@ -88,17 +89,10 @@ def _softmax_rows(q: list[Tensor], k: list[Tensor], v: list[Tensor]) -> Tensor:
     )
 
 
-class BidirNet(nn.Module):
+class BidirNet(TwoWayNet):
+    """Two bidirectional blocks (``TwoWayNet``'s stream of a and b), with a reference of their own."""
+
     block: type[nn.Module] = BidirBlock
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([self.block(), self.block()])
-
-    def forward(self, a: Tensor, b: Tensor) -> Tensor:
-        for blk in self.blocks:
-            a, b = blk(a, b)
-        return torch.cat([a, b], dim=1)
 
     def reference(self, a: Tensor, b: Tensor) -> Tensor:
         """Per direction, per head: the block's one T (its T^Q, or T^K, not both) on both sides' head vectors,
