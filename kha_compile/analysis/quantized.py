@@ -46,7 +46,7 @@ class TracedCarrier(TracedLinear):
     carrier's own ``kha_transform`` applies them, so the self-check sees the rewrite as it runs."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.__dict__["_kha_apply"](super().forward(x))
+        return self.__dict__["_carrier_transform"](super().forward(x))
 
 
 def _stand_in(module: nn.Linear, dtype: torch.dtype) -> TracedLinear:
@@ -66,7 +66,7 @@ def _stand_in(module: nn.Linear, dtype: torch.dtype) -> TracedLinear:
         stand_in.register_parameter("bias", None)
     if carrier:  # the rewritten model (apply's self-check): its transforms stay where they are
         stand_in._modules["kha"] = module._modules["kha"]
-        stand_in.__dict__["_kha_apply"] = module.kha_transform
+        stand_in.__dict__["_carrier_transform"] = module.kha_transform
     stand_in.train(module.training)
     return stand_in
 
