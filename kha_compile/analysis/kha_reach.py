@@ -34,7 +34,7 @@ from torch.fx import Node
 
 from .graph import MatchGraph, Projection
 from .layout import INDEX_OPS, LAYOUT_OPS, NotLayout, constant_index, push_layout, shape_of
-from .propagate import cat_known, depthwise_channels
+from .propagate import cat_known, depthwise_channels, tuple_item
 
 __all__ = ["Reach", "kha_params_of", "transforms_reaching"]
 
@@ -101,11 +101,7 @@ def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tens
 def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
     """The masks of ``node``'s output from its inputs'; raises NotLayout where the features are lost."""
     if node.target is operator.getitem:
-        src, pos = node.args[0], node.args[1]
-        value = known.get(src) if isinstance(src, Node) else None
-        if not isinstance(value, (tuple, list)) or not isinstance(pos, int):
-            raise NotLayout("getitem of no tuple")
-        return value[pos]
+        return tuple_item(node, known)
     if node.target is aten.cat.default:
         return cat_known(node, known, fill=0)  # a piece from elsewhere: no transform of this path
     if node.target is aten.index_copy.default:

@@ -112,6 +112,15 @@ def _through_depthwise(idx: torch.Tensor, node: Node) -> torch.Tensor:
     return idx[..., :1].expand(out)
 
 
+def tuple_item(node: Node, known: dict[Node, Any]) -> Any:
+    """What ``known`` holds for item ``node.args[1]`` of the tuple node ``node.args[0]`` (a getitem node)."""
+    src, pos = node.args[0], node.args[1]
+    value = known.get(src) if isinstance(src, Node) else None
+    if not isinstance(value, (tuple, list)) or not isinstance(pos, int):
+        raise NotLayout("getitem of no indexed tuple")
+    return value[pos]
+
+
 def cat_known(node: Node, known: dict[Node, Any], fill: int = _UNKNOWN) -> torch.Tensor:
     """The index tensor of ``aten.cat`` node ``node``: each piece's known index, ``fill`` for a piece from
     elsewhere (its static shape). Raises NotLayout for a computed list or a piece of no static shape."""
@@ -159,11 +168,7 @@ def _push(g: MatchGraph, node: Node, known: dict[Node, Any]) -> Any:
     if not ins:
         raise NotLayout("no indexed input")
     if node.target is operator.getitem:
-        src, pos = node.args[0], node.args[1]
-        value = known.get(src) if isinstance(src, Node) else None
-        if not isinstance(value, (tuple, list)) or not isinstance(pos, int):
-            raise NotLayout("getitem of no indexed tuple")
-        return value[pos]
+        return tuple_item(node, known)
     if node.target is aten.cat.default:
         return cat_known(node, known)
     if node.target is aten.index_copy.default:  # head slots written back in place (KHA's own carriers)
