@@ -322,6 +322,9 @@ def weight_source(
     axes or only the contracted ones; the output axes of the parameter are those that follow the
     output. None when ``node`` is not a parameter seen that way.
     """
+    direct = _direct_weight(node, arg_axes, params)
+    if direct is not False:
+        return direct
     found = _axis_indices(node, params, constants)
     if found is None:
         return None
@@ -349,6 +352,29 @@ def weight_source(
     if fmap.unique().numel() != fmap.numel():
         return None
     return ParamPiece(name, tuple(p_axes), fmap)
+
+
+def _direct_weight(node: Node, arg_axes: tuple[int, ...], params: dict[str, str]) -> ParamPiece | None | bool:
+    """:func:`weight_source` of a parameter used as it is (no layout op on the way), from its shape alone:
+    its output axes are ``arg_axes`` (those of size 1 aside), read in their order. False when a layout op
+    is on the way (the index tensors are pushed through it instead: as many elements as the weight)."""
+    found = param_chain(node, params)
+    if found is None or found[1] or len(set(arg_axes)) != len(arg_axes):
+        return False
+    shape = shape_of(found[0])
+    if not shape or any(a >= len(shape) for a in arg_axes):
+        return None
+    out_shape = [shape[a] for a in arg_axes]
+    p_axes = tuple(a for a in range(len(shape)) if a in arg_axes and shape[a] != 1)
+    if not p_axes:
+        return None
+    fmap = torch.zeros(_numel(tuple(shape), arg_axes), dtype=torch.long)
+    for a in p_axes:
+        j = arg_axes.index(a)
+        view = [1] * len(arg_axes)
+        view[j] = shape[a]
+        fmap = fmap * shape[a] + torch.arange(shape[a]).reshape(view).expand(out_shape).reshape(-1)
+    return ParamPiece(params[found[0].name], p_axes, fmap)
 
 
 def _global_positions(
