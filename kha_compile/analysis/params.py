@@ -354,7 +354,7 @@ def weight_source(
     return ParamPiece(name, tuple(p_axes), fmap)
 
 
-def _direct_weight(node: Node, arg_axes: tuple[int, ...], params: dict[str, str]) -> ParamPiece | None | Literal[False]:
+def _direct_weight(node: Node, arg_axes: tuple[int, ...], params: dict[str, str]) -> ParamPiece | Literal[False] | None:
     """:func:`weight_source` of a parameter used as it is (no layout op on the way), from its shape alone:
     its output axes are ``arg_axes`` (those of size 1 aside), read in their order. False when a layout op
     is on the way (the index tensors are pushed through it instead: as many elements as the weight)."""
