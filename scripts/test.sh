@@ -40,7 +40,9 @@ fi
 if [ "${KHA_SKIP_CHECKS:-0}" != "1" ]; then
     check "ruff check" "$KHA_VENV/bin/ruff" check kha_compile tests benchmarks examples scripts
     check "ruff format --check" "$KHA_VENV/bin/ruff" format --check kha_compile tests benchmarks examples scripts
-    check "mypy" "$KHA_VENV/bin/mypy" kha_compile
+    # mypy's cache lives outside the clone, like the side environments: a later clone reads it back (mypy
+    # compares each module's hash, so only what changed is checked again: 3 s instead of 40 s)
+    check "mypy" "$KHA_VENV/bin/mypy" --cache-dir "${KHA_MYPY_CACHE:-$HOME/.cache/kha_compile/mypy}" kha_compile
     check "lint-imports (layers, pyproject.toml)" "$KHA_VENV/bin/lint-imports" --no-cache
     # not --quiet: it hides the warnings that --strict counts, and the build then passes whatever it finds
     check "mkdocs build --strict (the docs site, mkdocs.yml)" env NO_MKDOCS_2_WARNING=1 \
