@@ -99,6 +99,8 @@ def _einsum_pair(node: Node, ops: list[Any]) -> Product | None:
         ins, out = einsum_subscripts(node.args[0], [len(s) for s in shapes if s is not None], len(out_shape))  # type: ignore[arg-type]
     except NotLayout:
         return None
+    if len(ins) < 2:  # one operand: a transpose, a diagonal or a sum, no product
+        return None
     pair = [i for i, letters in enumerate(ins) if not all(c in out for c in letters)]
     if len(ins) > 2:
         if len(pair) != 2:

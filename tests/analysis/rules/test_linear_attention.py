@@ -216,3 +216,26 @@ def test_products_of_stream_mixing_weights_are_no_site():
     torch.manual_seed(0)
     report = kc.inspect(StreamMixing(), example_args=(_x(),))
     assert [(s.anchor, s.status) for s in report.sites] == [("sdpa", "matched")] * 2, str(report)
+
+
+class _Unpatchified(Net):
+    """The blocks, then a one-operand einsum (DiT's unpatchify: ``einsum('nhwpqc->nchpwq', x)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsd->bds", super().forward(x))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_a_one_operand_einsum_is_no_product(cfg):
+    """An einsum of one operand (a transpose) is no product of two: the rules pass over it (it raised
+    IndexError in the self-check's trace of DiT, PixArt, SD3 and six other diffusers models)."""
+    x = _x()
+    torch.manual_seed(0)
+    model = _Unpatchified(LinearAttention).eval()
+    kc.apply(model, kc.KHAConfig(**CONFIGS[cfg]), example_args=(x,))
+    perturb(model)
+    torch.manual_seed(0)
+    untouched = _Unpatchified(LinearAttention).eval()
+    ref = Reference(untouched, layout, cfg={}).load(model.state_dict(), expect=CONFIGS[cfg])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref.no_grad(x), rtol=1e-5, atol=1e-5)
