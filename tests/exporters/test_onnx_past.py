@@ -25,6 +25,8 @@ from kha_compile.exporters.onnx import MLP_VALUE_DOMAIN, MLP_VALUE_OP, onnx_summ
 from kha_compile.exporters.tensorrt import export_tensorrt, profile_shapes
 from kha_compile.exporters.tensorrt_aot import mark_aot_nodes
 
+pytestmark = pytest.mark.slow  # onnxruntime-genai exports and generation
+
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 og = pytest.importorskip("onnxruntime_genai")

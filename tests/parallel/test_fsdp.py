@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from _launch import expect, torchrun_once
 
+pytestmark = pytest.mark.slow  # torchrun launches (2-4 ranks)
+
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):

@@ -19,6 +19,8 @@ from kha_compile.model.sharded import local_slots
 from kha_compile.model.slots import HeadSlot
 from kha_compile.parallel.plans import torch_plan
 
+pytestmark = pytest.mark.slow  # torchrun launches (2-4 ranks)
+
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 from _launch import expect, torchrun_once
 
+pytestmark = pytest.mark.slow  # torchrun launches (2-4 ranks)
+
 pytest.importorskip("transformers")
 
 
