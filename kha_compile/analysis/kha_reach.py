@@ -76,10 +76,19 @@ def kha_params_of(g: MatchGraph, node: Node, skip: set[Node]) -> list[str]:
 
 
 def _or_all(t: torch.Tensor) -> int:
-    out = 0
-    for v in torch.unique(t).tolist():
-        out |= int(v)
-    return out
+    """The bitwise or of every element (a broadcast axis counted once; halves or-ed pairwise)."""
+    for a in range(t.dim()):
+        if t.stride(a) == 0 and t.shape[a] > 1:
+            t = t.narrow(a, 0, 1)
+    x = t.reshape(-1)
+    if x.numel() == 0:
+        return 0
+    while x.numel() > 1:
+        if x.numel() % 2:
+            x = torch.cat([x, x.new_zeros(1)])
+        half = x.numel() // 2
+        x = x[:half] | x[half:]
+    return int(x.item())
 
 
 def _index_copy(g: MatchGraph, node: Node, known: dict[Node, Any]) -> torch.Tensor:

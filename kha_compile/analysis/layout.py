@@ -389,6 +389,10 @@ def varies(idx: Tensor, axis: int) -> bool:
     """
     if idx.stride(axis) == 0:  # a broadcast (expanded) axis is constant by construction
         return False
+    axis %= idx.dim()
+    for a in range(idx.dim()):  # the other broadcast axes hold copies: one of each is compared
+        if a != axis and idx.stride(a) == 0 and idx.shape[a] > 1:
+            idx = idx.narrow(a, 0, 1)
     return bool((idx != idx.narrow(axis, 0, 1)).any())
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core.devices import callers_device
 from ..core.errors import TraceError
+from .call_inputs import recording
 from .opaque_kernels import opaque_kernels
 from .owned_state import kept_as_it_was
 from .quantized import plain_linears
@@ -100,6 +101,8 @@ class Capture:
     untraced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, why)
     # a module reachable by several paths (one block shared by two layers): other path -> its first path
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    # id(module) -> the (args, kwargs) of its first call in the trace, as shapes (.call_inputs), or None
+    inputs: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -226,7 +229,11 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, dedupe_blocks: bool) -
     try:
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        with _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs), no_cache(model):
+        with (
+            _bind_non_pytree_inputs(model, tuple(args), dict(kwargs or {})) as (t_args, t_kwargs),
+            no_cache(model),
+            recording(model) as inputs,
+        ):
             unrun: list[str] = []
             try:
                 with _representatives(model, dedupe_blocks) as groups:
@@ -262,7 +269,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, dedupe_blocks: bool) -
         model.train(was_training)
     seconds = time.perf_counter() - start
     log.debug("traced %s in %.2fs (%d repeated-block lists deduplicated)", type(model).__name__, seconds, len(groups))
-    return Capture(ep, groups, seconds, path, aliases=aliases)
+    return Capture(ep, groups, seconds, path, aliases=aliases, inputs=inputs)
 
 
 @contextlib.contextmanager

@@ -245,7 +245,14 @@ def _checked(
     """The self-check (passes/validate.py); on a failure undo, then raise or (strict=False) re-plan without
     the sites that failed."""
     findings = self_check(
-        model, report, analysis.args, analysis.kwargs, before, set(cfg.roles()), _planned_sites(report, analysis)
+        model,
+        report,
+        analysis.args,
+        analysis.kwargs,
+        before,
+        set(cfg.roles()),
+        _planned_sites(report, analysis),
+        analysis.cap.inputs,
     )
     if not findings:
         return report, plan, count
@@ -263,7 +270,14 @@ def _checked(
         raise SelfCheckError(_refusal(model, findings, strict))
     count = insert(model, plan)
     again = self_check(
-        model, report, analysis.args, analysis.kwargs, before, set(cfg.roles()), _planned_sites(report, analysis)
+        model,
+        report,
+        analysis.args,
+        analysis.kwargs,
+        before,
+        set(cfg.roles()),
+        _planned_sites(report, analysis),
+        analysis.cap.inputs,
     )
     if again:
         _undo(model)

@@ -38,6 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
 
+from ..analysis.call_inputs import materialize
 from ..analysis.graph import MatchGraph
 from ..analysis.kha_reach import transforms_reaching
 from ..analysis.match import RawSite, sites_in
@@ -392,14 +393,34 @@ def _scopes(model: nn.Module, report: Report, planned: dict[str, str]) -> list[s
     return sorted(s for s in scopes if not any(s.startswith(o + ".") for o in scopes))
 
 
+def _traced_calls(model: nn.Module, scopes: list[str], traced: dict[int, Any]) -> dict[str, tuple[tuple, dict]]:
+    """Each scope module's inputs as apply's trace saw them, made afresh ({} when one is missing)."""
+    out = {}
+    for path in scopes:
+        call = traced.get(id(model.get_submodule(path)))
+        if call is None:
+            return {}
+        out[path] = materialize(call)
+    return out
+
+
 def self_check(
-    model: nn.Module, report: Report, args: Any, kwargs: Any, before: Any, roles: set[str], planned: dict[str, str]
+    model: nn.Module,
+    report: Report,
+    args: Any,
+    kwargs: Any,
+    before: Any,
+    roles: set[str],
+    planned: dict[str, str],
+    traced_inputs: dict[int, Any] | None = None,
 ) -> list[Finding]:
     """Every failure of the three checks of the module doc on the rewritten ``model`` ([] when none).
 
     ``before``: :func:`reference_outputs` taken before the insertion (None: identity not checked);
     ``roles``: the roles the config gives a transform; ``planned``: traced name -> report name of each site
-    apply matched in a whole-model trace (each must be found again).
+    apply matched in a whole-model trace (each must be found again); ``traced_inputs``: the inputs of each
+    module in apply's trace (``Capture.inputs``), for the scopes the check's forward could not reach (a model
+    on the meta device), so that the check traces those modules, not the whole model, again.
 
     Example::
 
@@ -409,8 +430,8 @@ def self_check(
     scopes = _scopes(model, report, planned)
     calls: dict[str, tuple[tuple, dict]] = {}
     findings = _run_findings(model, args, kwargs, before, scopes, calls)
-    if set(calls) != set(scopes):
-        calls = {}  # a scope did not run: trace the whole model
+    if set(calls) != set(scopes):  # a scope did not run: its inputs in apply's trace, else the whole model
+        calls = _traced_calls(model, scopes, traced_inputs or {})
     followed = 0
     if not findings:
         try:

@@ -277,3 +277,51 @@ def test_inspect_of_a_model_without_attention_says_so(caplog):
     assert any("found no per-head attention" in r.getMessage() for r in caplog.records)
     with pytest.raises(NoAttentionFoundError, match="found no per-head attention"):
         kc.apply(mlp, example_args=(torch.randn(2, 8),))
+
+
+# ---- a model on the meta device ----------------------------------------------------------------------
+
+
+def _meta_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_on_the_meta_device_the_check_traces_each_site_module_on_the_inputs_of_apply_trace(monkeypatch, caplog):
+    """A meta model cannot run (Llama's mask code calls .item()), so the site's module is traced on the
+    inputs it had in apply's own trace, not the whole model again; a role transformed twice is still refused there."""
+    from kha_compile.passes import validate
+
+    def whole_model_trace(*args, **kwargs):
+        raise AssertionError("the check traced the whole model again")
+
+    monkeypatch.setattr(validate, "_graphs", whole_model_trace)
+    model = _meta_llama()
+    with caplog.at_level(logging.INFO, logger="kha_compile.passes.validate"):
+        kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="mlp"))
+    (line,) = [r.getMessage() for r in caplog.records if "self-check of" in r.getMessage()]
+    assert re.search(r"identity not checked, [3-9] role operands followed, 0 failures", line), line
+    assert len(kha_params(model)) > 0
+
+    real_insert = apply_module.insert
+
+    def value_twice(model, plan):
+        count = real_insert(model, plan)
+        for module in model.modules():
+            kha = module._modules.get("kha")
+            if kha is not None and "v" in kha:
+                once = kha["v"].forward
+                kha["v"].forward = lambda h, f=once: f(f(h))
+        return count
+
+    monkeypatch.setattr(apply_module, "insert", value_twice)
+    model = _meta_llama()
+    with pytest.raises(SelfCheckError, match=r"model\.layers\.0\.self_attn: v: the transform \S+kha\.v acts twice"):
+        kc.apply(model, kc.KHAConfig(q="linear", k="linear", v="linear"))
+    assert not kha_params(model)
