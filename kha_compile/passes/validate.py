@@ -10,8 +10,9 @@ Three checks, each cheap next to the analysis itself:
 2. **No fake tensor left.** Nothing of the trace may stay in the outputs, the parameters and
    buffers, the modules' attributes or the globals of the model's code (:mod:`..analysis.owned_state`).
 3. **Each operand carries its own transform.** Each site's module (:func:`scope_of`, in the block
-   apply traced) is traced again on the inputs recorded in the check's forward (the whole model, one
-   block per type, where that cannot be), and matched; for each role of each site, the KHA transforms acting on
+   apply traced) is traced again on the inputs recorded in the check's forward, or where the model cannot
+   run (the meta device) on those it had in apply's trace (:mod:`..analysis.call_inputs`); the whole model,
+   one block per type, where neither can be. Then matched; for each role of each site, the KHA transforms acting on
    the features from the role's projection to the attention's operand (:mod:`..analysis.kha_reach`)
    must be exactly the one planned for that role of that site: not another role's (swapped roles),
    not two (a role transformed twice), not one planned for another site. Where the walk sees none (a
