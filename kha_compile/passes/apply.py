@@ -232,6 +232,14 @@ def _planned_sites(report: Report, analysis: _Analysis) -> dict[str, str]:
     return out
 
 
+def _findings(model: nn.Module, cfg: KHAConfig, report: Report, analysis: _Analysis, before: Any) -> list[Finding]:
+    """The self-check of the rewrite ``report`` describes (passes/validate.py)."""
+    planned = _planned_sites(report, analysis)
+    return self_check(
+        model, report, analysis.args, analysis.kwargs, before, set(cfg.roles()), planned, analysis.cap.inputs
+    )
+
+
 def _checked(
     model: nn.Module,
     cfg: KHAConfig,
@@ -244,16 +252,7 @@ def _checked(
 ) -> tuple[Report, list, int]:
     """The self-check (passes/validate.py); on a failure undo, then raise or (strict=False) re-plan without
     the sites that failed."""
-    findings = self_check(
-        model,
-        report,
-        analysis.args,
-        analysis.kwargs,
-        before,
-        set(cfg.roles()),
-        _planned_sites(report, analysis),
-        analysis.cap.inputs,
-    )
+    findings = _findings(model, cfg, report, analysis, before)
     if not findings:
         return report, plan, count
     _undo(model)
@@ -269,16 +268,7 @@ def _checked(
     if not report.matched:
         raise SelfCheckError(_refusal(model, findings, strict))
     count = insert(model, plan)
-    again = self_check(
-        model,
-        report,
-        analysis.args,
-        analysis.kwargs,
-        before,
-        set(cfg.roles()),
-        _planned_sites(report, analysis),
-        analysis.cap.inputs,
-    )
+    again = _findings(model, cfg, report, analysis, before)
     if again:
         _undo(model)
         raise SelfCheckError(_refusal(model, again, strict))
