@@ -16,6 +16,7 @@ import kha_compile as kc
 from form_checks import check_form
 from helpers import kha_params, perturb
 from kha_compile.analysis.owned_state import fake_tensors_in
+from kha_compile.cli import tiny
 from kha_compile.core.errors import NoAttentionFoundError, SelfCheckError
 from kha_compile.handlers import plan as plan_module
 from kha_compile.model.slots import HeadSlot
@@ -283,14 +284,8 @@ def test_inspect_of_a_model_without_attention_says_so(caplog):
 
 
 def _meta_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128,
-    )  # fmt: skip
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
+        return tiny.make("tiny-llama")  # the CLI's tiny Llama (GQA, rope), built on the meta device
 
 
 def test_on_the_meta_device_the_check_traces_each_site_module_on_the_inputs_of_apply_trace(monkeypatch, caplog):
