@@ -1,9 +1,11 @@
 """scripts/_venv.sh, the set-up both README commands source, run as CI runs it: ``set -euo pipefail``.
 
-``python3`` and the venv's ``python`` are stubs that log their arguments, so the test runs in well
-under a second and checks the script's own logic: a fresh venv is created and installed into, a
-second run installs nothing, and an extra not yet installed triggers an install; torch is tried
-from PyTorch's CPU index first (briefly) and comes from the registry where that index cannot be reached.
+``python3 -m venv`` and the venvs' ``python`` are stubs that log their arguments, so the test runs in well
+under a second and checks the script's own logic: the dependencies go into an environment shared by every
+clone (built once; a second clone only installs kha_compile into its own thin .venv and gets the shared
+console scripts), or, with ``KHA_SHARED_DEPS=0``, into .venv itself; a second run installs nothing, and an
+extra not yet installed triggers an install; torch is tried from PyTorch's CPU index first (briefly) and
+comes from the registry where that index cannot be reached.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,11 +23,14 @@ echo "python $*" >> "$KHA_TEST_LOG"
 """
 
 _STUB_PYTHON3 = """#!/usr/bin/env bash
-# python3 -m venv DIR: make DIR/bin/python, a stub that logs its arguments
+# python3 -m venv [--without-pip] DIR: make DIR/bin/python, a stub that logs its arguments; anything else (the
+# script reading pyproject.toml): the real python
+if [ "$1" != "-m" ]; then exec "$KHA_REAL_PYTHON" "$@"; fi
 echo "python3 $*" >> "$KHA_TEST_LOG"
-mkdir -p "$3/bin"
-cp "$KHA_TEST_STUB" "$3/bin/python"
-chmod +x "$3/bin/python"
+dir="${@: -1}"
+mkdir -p "$dir/bin"
+cp "$KHA_TEST_STUB" "$dir/bin/python"
+chmod +x "$dir/bin/python"
 """
 
 
@@ -47,6 +53,9 @@ def _source(tmp_path: Path, extras: str, **more_env: str) -> list[str]:
         "KHA_EXTRAS": extras,
         "KHA_TEST_LOG": str(log),
         "KHA_TEST_STUB": str(tmp_path / "stub_python"),
+        "KHA_REAL_PYTHON": sys.executable,
+        "KHA_CACHE": str(tmp_path / "cache"),
+        "KHA_SHARED_DEPS": "0",  # everything in .venv; the shared environment: test_shared_dependencies_...
         **more_env,
     }
     script = f'set -euo pipefail; source "{ROOT / "scripts" / "_venv.sh"}"; echo sourced'
@@ -118,3 +127,51 @@ def test_an_empty_torch_index_asks_the_registry_only(tmp_path):
 
     installs = [line for line in _source(tmp_path, "test", KHA_TORCH_INDEX="") if " install " in line]
     assert len(installs) == 3 and not any("--index-url" in line for line in installs)
+
+
+_STUB_PYTHON_SITE = """#!/usr/bin/env bash
+echo "python $*" >> "$KHA_TEST_LOG"
+case "$*" in *sysconfig*) site="$(cd "$(dirname "$0")/.." && pwd)/site"; mkdir -p "$site"; echo "$site" ;; esac
+"""
+
+
+def test_shared_dependencies_are_built_once_and_a_second_clone_installs_only_itself(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _executable(tmp_path / "stub_python", _STUB_PYTHON_SITE)
+    _executable(tmp_path / "bin" / "python3", _STUB_PYTHON3)
+    shared = {"KHA_SHARED_DEPS": "1"}
+
+    first = _source(tmp_path, "test", **shared, KHA_VENV=str(tmp_path / "clone1"))
+    (deps,) = (tmp_path / "cache").glob("deps-*[!k]")  # (not the .lock beside it)
+    assert first[0] == f"python3 -m venv {deps}"
+    installs = [line for line in first if " install " in line]
+    assert len(installs) == 5
+    assert f"--index-url {CPU_INDEX}" in installs[0] and installs[0].endswith(" torch==2.13.0")
+    assert installs[1].endswith(" torch==2.13.0")
+    # the requirements of every extra test takes in, not kha_compile itself: no clone's path in the shared one
+    reqs = installs[2].split()
+    assert {"pytest", "mkdocs>=1.6,<2", "transformers>=4.51.0", "onnxruntime", "bitsandbytes"} <= set(reqs)
+    assert not any("kha-compile" in r or (str(ROOT) in r and not r.endswith("constraints.txt")) for r in reqs)
+    assert installs[3].endswith(" timm")
+    assert f"python3 -m venv --without-pip {tmp_path / 'clone1'}" in first
+    assert installs[4].endswith(f"--no-build-isolation -e {ROOT}") and installs[4].startswith(
+        "python -m pip --disable-pip-version-check -q install --no-compile --no-deps"
+    )
+    pth = (tmp_path / "clone1" / "site" / "_kha_shared_deps.pth").read_text()
+    assert pth.strip() == f"import site; site.addsitedir('{deps / 'site'}')"
+
+    # what the dependencies brought: a Python console script and a program
+    _executable(deps / "bin" / "pytest", f"#!{deps}/bin/python\nimport sys\nfrom pytest import console_main\n")
+    _executable(deps / "bin" / "ruff", "\x7fELF (a program)")
+    second = _source(tmp_path, "test", **shared, KHA_VENV=str(tmp_path / "clone2"))
+    assert second[0] == f"python3 -m venv --without-pip {tmp_path / 'clone2'}"  # no shared install again
+    assert [line for line in second if " install " in line] == [installs[4]]
+    script = (tmp_path / "clone2" / "bin" / "pytest").read_text().splitlines()
+    assert script[0] == f"#!{tmp_path / 'clone2'}/bin/python" and script[2] == "from pytest import console_main"
+    assert (tmp_path / "clone2" / "bin" / "ruff").resolve() == deps / "bin" / "ruff"
+
+    assert _source(tmp_path, "test", **shared, KHA_VENV=str(tmp_path / "clone2")) == []  # nothing to do
+    assert _source(tmp_path, "demo,test", **shared, KHA_VENV=str(tmp_path / "clone2")) == []  # demo: within test
+    more = _source(tmp_path, "vllm", **shared, KHA_VENV=str(tmp_path / "clone2"))  # beyond what it holds
+    assert [line for line in more if " install " in line][2].endswith(" vllm>=0.32")
+    assert installs[4] not in more  # kha_compile itself is not installed again

@@ -45,7 +45,7 @@ from ..analysis.kha_reach import transforms_reaching
 from ..analysis.match import RawSite, sites_in
 from ..analysis.owned_state import fake_tensors_in
 from ..analysis.submodules import capture_submodules, prefix_sites, why_trace_failed
-from ..analysis.trace import Capture, capture, no_cache
+from ..analysis.trace import Capture, capture, no_cache, without_source_lines
 from ..core.devices import callers_device
 from ..core.errors import KHAError, TraceError
 from ..core.quantized import weights_kept_trainable
@@ -237,7 +237,7 @@ class _Part:
 
 def _graphs(model: nn.Module, args: Any, kwargs: Any, whole: bool) -> list[_Part]:
     """The rewritten model traced as apply traced it (``whole``: the whole model, one block per type)."""
-    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
+    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model), without_source_lines():
         try:
             cap = capture(model, args, kwargs)
         except TraceError as exc:
@@ -278,7 +278,7 @@ def _scoped(model: nn.Module, calls: dict[str, tuple[tuple, dict]]) -> list[_Par
     """Each scope module traced on its own, on the inputs recorded in the check's forward (None when one
     cannot be: the caller traces the whole model instead)."""
     parts = []
-    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model):
+    with raw_parameters(), _adapter.adapters_off(model), plain_forward(model), without_source_lines():
         for scope, (a, kw) in calls.items():
             try:
                 cap = capture(model.get_submodule(scope), a, kw)
