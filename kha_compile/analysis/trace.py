@@ -36,7 +36,6 @@ __all__ = [
     "no_cache",
     "real_values",
     "unrun_modules",
-    "without_source_lines",
 ]
 
 log = logging.getLogger(__name__)
@@ -138,23 +137,6 @@ class Capture:
                 if idx.isdigit():
                     return list_path, int(idx)
         return None
-
-
-@contextlib.contextmanager
-def without_source_lines() -> Iterator[None]:
-    """Traces in this block record no source line per node (``node.meta["stack_trace"]``).
-
-    The lines name the model code in the reasons a report gives (:func:`.describe.user_line`); a trace
-    nobody reads a reason of (apply's self-check) skips them: a sixth of an export's time.
-    """
-    import torch.fx
-
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = before
 
 
 @contextlib.contextmanager

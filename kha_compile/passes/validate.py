@@ -40,12 +40,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
 
 from ..analysis.call_inputs import materialize
+from ..analysis.describe import without_source_lines
 from ..analysis.graph import MatchGraph
 from ..analysis.kha_reach import transforms_reaching
 from ..analysis.match import RawSite, sites_in
 from ..analysis.owned_state import fake_tensors_in
 from ..analysis.submodules import capture_submodules, prefix_sites, why_trace_failed
-from ..analysis.trace import Capture, capture, no_cache, without_source_lines
+from ..analysis.trace import Capture, capture, no_cache
 from ..core.devices import callers_device
 from ..core.errors import KHAError, TraceError
 from ..core.quantized import weights_kept_trainable
