@@ -15,9 +15,9 @@
 # that index answers within a few seconds, else from the package registry (with pip's configured indexes:
 # CI's registry serves the CPU build; PyPI's Linux torch is the multi-GB CUDA build). Every
 # other package is held at the version in constraints.txt (what the suite was last run with;
-# refresh it with `bash scripts/lock.sh`). Stamps record the hash of the requirements and constraints.txt and
-# the extras installed; when the hashes match and the extras asked for are among those installed, nothing is
-# installed again, so reruns are fast.
+# refresh it with `bash scripts/lock.sh`). The shared environment records the requirements installed into it,
+# .venv's stamp which shared environment it uses (KHA_SHARED_DEPS=0: the hash of pyproject.toml and
+# constraints.txt and the extras installed); a rerun with nothing new installs nothing.
 
 KHA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KHA_EXTRAS="${KHA_EXTRAS:-test}"
@@ -71,20 +71,22 @@ _kha_install() {
     esac
 }
 
-# The requirements of kha-compile[EXTRAS], its own extras expanded (pyproject.toml read with tomllib); fails
+# The requirements of kha-compile[EXTRAS] ("*": every extra), its own extras expanded (pyproject.toml read with tomllib); fails
 # where python3 has no tomllib (< 3.11): the set-up then installs into .venv alone.
 _kha_requirements() {
     python3 - "$KHA_ROOT/pyproject.toml" "$1" <<'EOF'
 import re, sys, tomllib
 
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-out, todo, seen = list(project["dependencies"]), [x for x in sys.argv[2].split(",") if x], set()
+extras = project["optional-dependencies"]
+todo = list(extras) if sys.argv[2] == "*" else [x for x in sys.argv[2].split(",") if x]
+out, seen = list(project["dependencies"]), set()
 while todo:
     extra = todo.pop()
     if extra in seen:
         continue
     seen.add(extra)
-    for req in project["optional-dependencies"][extra]:
+    for req in extras[extra]:
         own = re.fullmatch(r"kha-compile\[([^\]]+)\]", req.replace(" ", ""))
         if own:
             todo.extend(own.group(1).split(","))
@@ -115,8 +117,8 @@ if [ "${KHA_SHARED_DEPS:-1}" != "0" ] && _kha_all_reqs="$(_kha_requirements "$KH
     # the shared environment of these requirements: its name is the hash of every extra's requirements (so one
     # environment serves the demo, the docs and the tests), constraints.txt and torch; it records the
     # requirements installed into it (.kha-requirements), and what a clone asks for beyond them is added
-    _kha_hash="$( (_kha_requirements "$(python3 -c 'import sys, tomllib; print(",".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]))' "$KHA_ROOT/pyproject.toml")"
-        cat "$KHA_ROOT/constraints.txt"; echo "torch=$KHA_TORCH $KHA_TORCH_INDEX") | sha256sum | cut -c1-16)"
+    _kha_hash="$( (_kha_requirements "*"; cat "$KHA_ROOT/constraints.txt"; echo "torch=$KHA_TORCH $KHA_TORCH_INDEX") |
+        sha256sum | cut -c1-16)"
     KHA_DEPS="$KHA_CACHE/deps-$_kha_hash"
     case " ${KHA_EXTRAS//,/ } " in *" test "* | *" sweep "* | *" dev "*) _kha_all_reqs+=$'\ntimm' ;; esac
     _kha_missing() {  # the requirements asked for that the shared environment does not record
