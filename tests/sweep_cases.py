@@ -323,7 +323,7 @@ def run_built(
             if i and out[0].get("status") == "no_attention":  # no attention: what apply says is the same
                 rec.update({k: v for k, v in out[0].items() if k not in ("config", "seconds")})
             else:
-                rec.update(_check(model, case, cfg_name, rec))
+                rec.update(_check(model, case, cfg_name, rec, reinspect=i == 0))
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         out.append(rec)
@@ -401,7 +401,10 @@ def _calls(sites: list) -> int:
     return sum(s.calls for s in sites)
 
 
-def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
+def _check(model: Any, case: _Case, cfg_name: str, rec: dict, reinspect: bool = True) -> dict:
+    """The checks of one config on ``model`` (a copy); the report is ``kc.inspect`` of the rewritten model
+    where ``reinspect`` and apply built its own inputs (the first config of a model: inspect must read an
+    applied model as apply did), else the report apply recorded (a second analysis costs as much as apply)."""
     args, kwargs, ref, count = case.args, case.kwargs, case.ref, case.count
     inputs = (args, kwargs) if case.pass_inputs else ((), None)
 
@@ -431,8 +434,9 @@ def _check(model: Any, case: _Case, cfg_name: str, rec: dict) -> dict:
         return rec
     except Exception as exc:
         return _fail(rec, "KHAError on apply" if isinstance(exc, kc.KHAError) else "raw exception on apply", exc)
-    try:  # the report apply recorded where apply had the inputs (a second trace is the costliest step)
-        report = (recorded_report(model) if case.pass_inputs else None) or kc.inspect(model, *inputs)
+    try:
+        recorded = recorded_report(model) if case.pass_inputs or not reinspect else None
+        report = recorded or kc.inspect(model, *inputs)
         out0 = call()
     except Exception as exc:
         return _fail(rec, "inspect or forward after apply fails", exc)

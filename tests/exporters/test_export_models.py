@@ -36,6 +36,8 @@ def rel_err(a: np.ndarray, b: torch.Tensor) -> float:
 # non-contiguous tensor, with or without KHA.)
 @pytest.mark.parametrize("name,dynamic", [("llama", True), ("bert", True), ("gpt2", True), ("phi", False)])
 def test_folded_linear_kha_exports_the_same_graph_as_the_original(name, dynamic, tmp_path):
+    """Folded: as many nodes as the model without KHA, and onnxruntime matches torch. For llama and bert, the
+    same model exported with fold=False too (one export of each kind per model)."""
     base = zoo.make(name)
     plain = kc.export_onnx(base.model, tmp_path / "plain.onnx", *base.example, dynamic=dynamic)
     case = zoo.make(name)
@@ -50,19 +52,14 @@ def test_folded_linear_kha_exports_the_same_graph_as_the_original(name, dynamic,
     assert n_kha == n_plain
     (out, *_) = ort_run(path, tensor_feeds(case))
     assert rel_err(out, expected) < 1e-4
+    if name in ("llama", "bert"):
+        _unfolded_keeps_its_matmuls(case, path, expected, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
-def test_unfolded_linear_kha_keeps_its_matmuls_and_runs_in_onnxruntime(name, tmp_path):
+def _unfolded_keeps_its_matmuls(case, folded, expected: torch.Tensor, tmp_path) -> None:
     """fold=False on a model WITH (perturbed) linear KHA: the transforms stay in the graph as
     their own nodes (more nodes than the folded export, more MatMuls) and onnxruntime still
     matches torch; the metadata says the file is not folded."""
-    case = zoo.make(name)
-    kc.apply(case.model, kc.KHAConfig(q="linear", k="linear", v="linear"))
-    perturb(case.model)
-    with torch.no_grad():
-        expected = run(case)
-    folded = kc.export_onnx(case.model, tmp_path / "folded.onnx", *case.example)
     unfolded = kc.export_onnx(case.model, tmp_path / "unfolded.onnx", *case.example, fold=False)
     s_folded, s_unfolded = onnx_summary(folded), onnx_summary(unfolded)
     assert s_unfolded.num_nodes > s_folded.num_nodes
@@ -73,9 +70,8 @@ def test_unfolded_linear_kha_keeps_its_matmuls_and_runs_in_onnxruntime(name, tmp
     assert s_unfolded.num_custom_nodes == 0
     assert read_kha_metadata(unfolded)["folded"] is False
     assert read_kha_metadata(folded)["folded"] is True
-    for path in (folded, unfolded):
-        (out, *_) = ort_run(path, tensor_feeds(case))
-        assert rel_err(out, expected) < 1e-4
+    (out, *_) = ort_run(unfolded, tensor_feeds(case))
+    assert rel_err(out, expected) < 1e-4
 
 
 def kha_left(model) -> bool:

@@ -8,7 +8,9 @@ Two ways to deploy a quantized KHA model, each on a tiny Llama with trained-like
   which records kha_compile's quantization method around compressed-tensors'; the plugin runs the KHA on
   the output of compressed-tensors' int8 QKV projection.
 
-The quantization runs in the vLLM environment (compressed-tensors, tests/serving/vllm/serve_quantize.py).
+The quantization runs in the vLLM environment (compressed-tensors, tests/serving/vllm/serve_quantize.py), in
+the same process as the serving: quantize both, save the trained KHA beside the quantized base (``kc.save_pretrained``
+there, of the directory this environment saved), then serve.
 Two references, both from this environment's transformers on the same model object: the model without
 quantization (vLLM must stay within the quantization error of it), and the same model with the quantized
 directory's int8 weights times their scales and each quantized layer's input rounded to int8 per token,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import shutil
 import statistics
 
 import pytest
@@ -100,29 +103,36 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     _, folded = build(Case("folded", "llama", LINEAR, save="folded", seed=21), root)
     base_dir, kha_model = build(Case("mlp", "llama", MLP, save="kc", seed=22), root)  # base files, then KHA
+    (root / "mlp-kha").mkdir()  # the trained KHA, as kc.save_pretrained wrote it
+    for name in ("kha_config.json", "kha_model.safetensors"):
+        shutil.copy(base_dir / name, root / "mlp-kha" / name)
     for name in ("kha_config.json", "kha_model.safetensors"):  # the base alone is what gets quantized
         (base_dir / name).unlink()
     write_config_entry(base_dir, kha_compile=None, quantization_config=None)
-    quantize = [
+    jobs = [
         dict(name=f"quantize-{n}", kind="quantize", model=str(root / n), out=str(root / f"{n}-w8a8"), scheme="W8A8")
         for n in ("folded", "mlp")
     ]
-    made = vllm_env.run_jobs(quantize, root)
-    for job in quantize:
-        assert "crash" not in made[job["name"]], made[job["name"]]["crash"]
-    kc.save_pretrained(kha_model, root / "mlp-w8a8")  # the trained KHA beside the quantized base
-    refs = {
-        "folded": (folded, w8a8_reference(folded, root / "folded-w8a8", made["quantize-folded"]["quantized"])),
-        "mlp": (kha_model, w8a8_reference(kha_model, root / "mlp-w8a8", made["quantize-mlp"]["quantized"])),
-    }
-    jobs = [
+    # the trained KHA beside the quantized base
+    jobs.append(
+        dict(
+            name="kha-save", kind="kha_save", model=str(base_dir), kha=str(root / "mlp-kha"), out=str(root / "mlp-w8a8")
+        )
+    )
+    served = [
         dict(name=n, kind="generate", model=str(root / f"{n}-w8a8"), prompts=PROMPTS, new_tokens=NEW_TOKENS,
              block_size=BLOCK, logprobs=True)
         for n in ("folded", "mlp")
     ]  # fmt: skip
-    jobs.append(dict(jobs[1], name="mlp-broken", **{"break": "v"}))
+    jobs += [*served, dict(served[1], name="mlp-broken", **{"break": "v"})]
     results = vllm_env.run_jobs(jobs, root)
-    return root, made, refs, results
+    for name in ("quantize-folded", "quantize-mlp", "kha-save"):
+        assert "crash" not in results[name], results[name]["crash"]
+    refs = {
+        "folded": (folded, w8a8_reference(folded, root / "folded-w8a8", results["quantize-folded"]["quantized"])),
+        "mlp": (kha_model, w8a8_reference(kha_model, root / "mlp-w8a8", results["quantize-mlp"]["quantized"])),
+    }
+    return root, results, refs, results
 
 
 def _check(served, name: str, method: str) -> None:
