@@ -99,15 +99,14 @@ def _tokens_differ(reference: list[dict[str, list]], got: list[list[int]]) -> tu
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Both directories quantized and served; the references; vLLM's results."""
+    """(the root folder, the references, vLLM's results): both directories quantized and served."""
     root = tmp_path_factory.mktemp("quantized")
     _, folded = build(Case("folded", "llama", LINEAR, save="folded", seed=21), root)
     base_dir, kha_model = build(Case("mlp", "llama", MLP, save="kc", seed=22), root)  # base files, then KHA
-    (root / "mlp-kha").mkdir()  # the trained KHA, as kc.save_pretrained wrote it
+    # the base alone is what gets quantized; the trained KHA (kc.save_pretrained's files) moves beside it
+    (root / "mlp-kha").mkdir()
     for name in ("kha_config.json", "kha_model.safetensors"):
-        shutil.copy(base_dir / name, root / "mlp-kha" / name)
-    for name in ("kha_config.json", "kha_model.safetensors"):  # the base alone is what gets quantized
-        (base_dir / name).unlink()
+        shutil.move(base_dir / name, root / "mlp-kha" / name)
     write_config_entry(base_dir, kha_compile=None, quantization_config=None)
     jobs = [
         dict(name=f"quantize-{n}", kind="quantize", model=str(root / n), out=str(root / f"{n}-w8a8"), scheme="W8A8")
@@ -119,12 +118,12 @@ def served(tmp_path_factory):
             name="kha-save", kind="kha_save", model=str(base_dir), kha=str(root / "mlp-kha"), out=str(root / "mlp-w8a8")
         )
     )
-    served = [
+    generate = [
         dict(name=n, kind="generate", model=str(root / f"{n}-w8a8"), prompts=PROMPTS, new_tokens=NEW_TOKENS,
              block_size=BLOCK, logprobs=True)
         for n in ("folded", "mlp")
     ]  # fmt: skip
-    jobs += [*served, dict(served[1], name="mlp-broken", **{"break": "v"})]
+    jobs += [*generate, dict(generate[1], name="mlp-broken", **{"break": "v"})]
     results = vllm_env.run_jobs(jobs, root)
     for name in ("quantize-folded", "quantize-mlp", "kha-save"):
         assert "crash" not in results[name], results[name]["crash"]
@@ -132,11 +131,11 @@ def served(tmp_path_factory):
         "folded": (folded, w8a8_reference(folded, root / "folded-w8a8", results["quantize-folded"]["quantized"])),
         "mlp": (kha_model, w8a8_reference(kha_model, root / "mlp-w8a8", results["quantize-mlp"]["quantized"])),
     }
-    return root, results, refs, results
+    return root, refs, results
 
 
 def _check(served, name: str, method: str) -> None:
-    _, _, refs, results = served
+    _, refs, results = served
     res = results[name]
     assert "crash" not in res, f"{name}: the vLLM job failed:\n{res['crash']}"
     assert res["quantization"] == method, res["quantization"]
@@ -154,15 +153,15 @@ def _check(served, name: str, method: str) -> None:
 
 
 def test_folded_then_quantized_is_served_by_vllm_alone(served):
-    root, made, _, _ = served
+    root, _, results = served
     config = json.loads((root / "folded-w8a8" / "config.json").read_text())
     assert "kha_compile" not in config and config["quantization_config"]["quant_method"] == "compressed-tensors"
-    assert made["quantize-folded"]["format"] == "int-quantized"
+    assert results["quantize-folded"]["format"] == "int-quantized"
     _check(served, "folded", "compressed-tensors")
 
 
 def test_mlp_value_kha_runs_around_compressed_tensors_in_vllm(served):
-    root, _, refs, results = served
+    root, refs, results = served
     quant = json.loads((root / "mlp-w8a8" / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "kha_compile" and quant["v"] == "mlp"
     assert quant["wraps"]["quant_method"] == "compressed-tensors" and quant["wraps"]["format"] == "int-quantized"
